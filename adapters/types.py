@@ -1,0 +1,80 @@
+"""Small typed values that cross package lines: the base model's shapes, adapter identity, summaries.
+
+`adapters` imports neither `base_engine` nor `registry`; both hand it plain values of these types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The seven projections a LoRA adapter may target, in the order the engine stacks them.
+LORA_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class BaseModelShapes:
+    """What adapter validation needs to know about the base model (built by base_engine)."""
+
+    model_type: str  # "llama" | "mistral" | "qwen2"
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of one projection, as nn.Linear sees it."""
+        q_out = self.num_attention_heads * self.head_dim
+        kv_out = self.num_key_value_heads * self.head_dim
+        shapes = {
+            "q_proj": (self.hidden_size, q_out),
+            "k_proj": (self.hidden_size, kv_out),
+            "v_proj": (self.hidden_size, kv_out),
+            "o_proj": (q_out, self.hidden_size),
+            "gate_proj": (self.hidden_size, self.intermediate_size),
+            "up_proj": (self.hidden_size, self.intermediate_size),
+            "down_proj": (self.intermediate_size, self.hidden_size),
+        }
+        if module not in shapes:
+            raise ValueError(f"unknown projection {module!r}; expected one of {LORA_MODULES}")
+        return shapes[module]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """Identity of one immutable adapter version, as the engine and its caches see it.
+
+    `id` is stable and unique (e.g. "<tenant>/<name>@<version>" in the server, the absolute path
+    offline); `sha256` is the content hash of the weights file and is part of every prefix-cache key,
+    so a re-uploaded adapter never reuses stale KV blocks; `source` is opaque to the engine and is
+    what the `fetch(ref) -> local dir` callable understands (a directory offline, an object key set
+    by the registry in the server).
+    """
+
+    id: str
+    sha256: str
+    source: str
+    name: str = ""
+
+
+class AdapterFormatError(ValueError):
+    """An adapter directory the engine cannot apply exactly; the message names the field or tensor."""
+
+
+class AdapterValidationError(AdapterFormatError):
+    """A well-formed adapter that breaks a serving limit (rank, size) or carries non-finite values."""
+
+
+@dataclass(frozen=True)
+class AdapterSummary:
+    """What validation learned about one adapter version (stored by the registry, shown by the console)."""
+
+    ranks: dict[str, int]  # projection name -> rank, max over layers
+    modules: tuple[str, ...]  # covered projections, in LORA_MODULES order
+    max_rank: int
+    num_layers_covered: int
+    size_bytes: int  # of adapter_model.safetensors
+    sha256: str  # hex digest of adapter_model.safetensors bytes
+    config_sha256: str  # hex digest of adapter_config.json bytes

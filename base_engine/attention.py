@@ -1,0 +1,117 @@
+"""Paged attention in pure PyTorch (the CPU path CI runs; a CUDA/Triton path plugs in at `attend`).
+
+K/V live in a block pool `[2, num_blocks, block_size, kv_heads, head_dim]` per layer; each sequence
+reaches its tokens through its block table (PagedAttention, SOSP 2023). One step's tokens are flattened:
+decodes (one new token each) are attended as one padded batch; prefill chunks one sequence at a time,
+since their query lengths differ (a padded batch would multiply work by max/mean chunk length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    token_start: int  # first row of this chunk in the flattened batch
+    num_tokens: int  # query length
+    context_len: int  # tokens already in the cache before this chunk
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+    mask: torch.Tensor | None  # [num_tokens, context_len + num_tokens] bool, None = plain causal
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64 flat cache slot (block * block_size + offset) per new token
+    decode_rows: torch.Tensor  # [Bd] int64 rows of the flattened batch that are single-token decodes
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] int64 (padded with block 0)
+    decode_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] additive float mask (0 / -inf)
+    prefills: list[PrefillChunk]
+    num_decodes: int
+    is_decode_contiguous: bool  # decode rows are exactly rows [0, Bd): no gather/scatter needed
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V: kv_cache [2, blocks, bs, kvh, d]; k, v [T, kvh, d]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def attend(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D] (this step's keys, already written to the cache)
+    v: torch.Tensor,  # [T, KVH, D]
+    kv_cache: torch.Tensor,  # [2, blocks, bs, KVH, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        _decode(q, kv_cache, meta, scale, out)
+    for chunk in meta.prefills:
+        _prefill(q, k, v, kv_cache, chunk, scale, out)
+    return out
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    bd = meta.num_decodes
+    qd = q[:bd] if meta.is_decode_contiguous else q.index_select(0, meta.decode_rows)
+    qd = qd.view(bd, num_kv_heads, group, head_dim)  # [Bd, KVH, G, D]
+    # Gather each sequence's blocks: [Bd, max_blocks, bs, KVH, D] -> [Bd, KVH, L, D]
+    keys = kv_cache[0][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    values = kv_cache[1][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    scores = torch.matmul(qd, keys.transpose(2, 3)) * scale  # [Bd, KVH, G, L]
+    scores += meta.decode_mask
+    probs = torch.softmax(scores, dim=-1)
+    res = torch.matmul(probs, values).reshape(bd, num_heads, head_dim)  # [Bd, H, D]
+    if meta.is_decode_contiguous:
+        out[:bd] = res
+    else:
+        out.index_copy_(0, meta.decode_rows, res)
+
+
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+    qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if chunk.context_len == 0:
+        # First chunk of a sequence: its keys are exactly this step's, no need to read the cache.
+        kc, vc = k[rows], v[rows]
+    else:
+        num_kv = chunk.context_len + chunk.num_tokens
+        kc = kv_cache[0][chunk.block_table].flatten(0, 1)[:num_kv]  # [L, KVH, D]
+        vc = kv_cache[1][chunk.block_table].flatten(0, 1)[:num_kv]
+    kc = kc.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+    vc = vc.transpose(0, 1).unsqueeze(0)
+    if chunk.mask is None:
+        res = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        res = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+    out[rows] = res.squeeze(0).transpose(0, 1)
+
+
+def chunk_mask(context_len: int, num_tokens: int, sliding_window: int | None) -> torch.Tensor | None:
+    """Bool mask [n, context_len + n]: query i (position context_len + i) sees key j iff j <= its
+    position and, with a sliding window W, position - j < W. None when plain causal SDPA suffices."""
+    if context_len == 0 and sliding_window is None:
+        return None
+    q_pos = torch.arange(context_len, context_len + num_tokens).unsqueeze(1)
+    k_pos = torch.arange(context_len + num_tokens).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= (q_pos - k_pos) < sliding_window
+    return mask

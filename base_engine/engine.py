@@ -1,0 +1,234 @@
+"""The engine loop: schedule -> run model -> sample -> postprocess, one step at a time.
+
+Synchronous and single-threaded; `LLM` drives it offline and `AsyncEngine` from a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from adapters.types import AdapterRef
+from base_engine.block_manager import BlockManager
+from base_engine.config import ModelConfig, load_model_config
+from base_engine.detokenizer import Detokenizer
+from base_engine.engine_config import EngineConfig
+from base_engine.kv_sizing import num_kv_blocks
+from base_engine.model_runner import ModelRunner, allocate_kv_caches
+from base_engine.outputs import EngineStats, RequestOutput
+from base_engine.postprocess import finish_output, step_output, stop_reason
+from base_engine.sampler import Sampler, SamplingRow
+from base_engine.sampling_params import SamplingParams
+from base_engine.scheduler import Scheduler
+from base_engine.sequence import Sequence, SequenceStatus
+from base_engine.tokenizer import load_tokenizer
+from base_engine.weights import load_model
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return config.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.model_config = load_model_config(self.model_dir)
+        self.config = config or EngineConfig()
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.model_config)
+        self.max_model_len = self._resolve_max_model_len()
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        model = load_model(self.model_dir, self.model_config, dtype=self.dtype, device=self.device)
+        num_blocks = num_kv_blocks(self.model_config, self.config, dtype=self.dtype, device=self.device)
+        kv_caches = allocate_kv_caches(
+            self.model_config, num_blocks=num_blocks, block_size=self.config.block_size, dtype=self.dtype,
+            device=self.device,
+        )
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            enable_chunked_prefill=self.config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(
+            model, self.model_config, kv_caches=kv_caches, block_size=self.config.block_size,
+            max_model_len=self.max_model_len, device=self.device,
+        )
+        self.sampler = Sampler(seed=self.config.seed)
+        self.lora = None  # set by attach_lora (adapters.LoraManager) for multi-LoRA serving
+        self.requests: dict[str, Sequence] = {}
+        self.detokenizers: dict[str, Detokenizer] = {}
+        self.num_steps = 0
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        max_len = self.config.max_model_len or limit
+        if max_len > limit:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings {limit}")
+        window = self.model_config.sliding_window
+        if self.model_config.model_type == "mistral" and window is not None and window < max_len:
+            logger.info("serving %s with sliding window %d < max_model_len %d", self.model_dir, window, max_len)
+        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_len}) when chunked prefill is off, or no long prompt could ever be scheduled"
+            )
+        return max_len
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be ints in [0, {self.model_config.vocab_size})")
+        return list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the limit; nothing is queued. Safe to call from any thread."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens, more than max_model_len {self.max_model_len}"
+            )
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        adapter: AdapterRef | None = None,
+        tenant_id: str | None = None,
+        cache_salt: bytes = b"",
+        arrival: float | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        self.validate(prompt_token_ids, params)
+        if adapter is not None and self.lora is None:
+            raise NotImplementedError("this engine serves no adapters (attach a LoraManager first)")
+        seq = Sequence(request_id, list(prompt_token_ids), params, adapter, tenant_id, cache_salt)
+        if arrival is not None:
+            seq.times.arrival = arrival
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self.detokenizers[request_id] = Detokenizer(self.tokenizer, params, seq.prompt_token_ids)
+        if self.lora is not None:
+            self.lora.on_add(seq)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends a request now: its blocks and adapter pin are released before this returns."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        seq.error = error
+        return self._finish(seq, SequenceStatus.FINISHED_ERROR)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.lora.before_step(self) if self.lora is not None else []
+        sched = self.scheduler.schedule()
+        for seq in sched.overflowed:
+            outputs.append(self._overflow(seq))
+        if sched.is_empty:
+            return outputs
+        self.num_steps += 1
+        batch = self.runner.prepare(sched)
+        lora_batch = self.lora.prepare_step(batch.row_slots) if self.lora is not None else None
+        logits = self.runner.execute(batch, lora_batch)
+        rows = [SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.generator)
+                for s in batch.sampled]
+        sampled = self.sampler(logits, rows) if rows else None
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_full_blocks(item.seq)
+        if sampled is not None:
+            for item, token_id, logprobs in zip(batch.sampled, sampled.token_ids, sampled.logprobs, strict=True):
+                outputs.append(self._append_token(item.seq, token_id, logprobs))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> RequestOutput:
+        now = time.monotonic()
+        if seq.times.first_token is None:
+            seq.times.first_token = now
+        elif seq.times.last_token is not None:
+            seq.times.inter_token.append(now - seq.times.last_token)
+        seq.times.last_token = now
+        seq.output_token_ids.append(token_id)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        detok = self.detokenizers[seq.request_id]
+        matched_stop = detok.update([token_id])
+        reason = stop_reason(seq, token_id, matched_stop, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            return self._finish(seq, reason)
+        return step_output(seq, detok, token_id, logprobs)
+
+    def _overflow(self, seq: Sequence) -> RequestOutput:
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if seq.output_token_ids:
+            return self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+        seq.error = f"request needs more than the whole KV cache ({capacity} tokens); use a shorter prompt"
+        return self._finish(seq, SequenceStatus.FINISHED_ERROR)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> RequestOutput:
+        self.scheduler.finish(seq, status)
+        seq.times.finished = time.monotonic()
+        if self.lora is not None:
+            self.lora.on_finish(seq)
+        del self.requests[seq.request_id]
+        detok = self.detokenizers.pop(seq.request_id)
+        return finish_output(seq, detok)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_total=bm.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_queries=bm.num_prefix_queries,
+            num_prefix_hits=bm.num_prefix_hits,
+            num_steps=self.num_steps,
+            adapters=self.lora.stats() if self.lora is not None else {},
+        )

@@ -1,0 +1,57 @@
+"""Engine options (one dataclass, validated once); names follow vLLM's engine arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+# On CPU the KV pool is a fixed budget, not a fraction of host RAM, so several engines fit in one process.
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_fraction / the CPU budget
+    kv_cache_memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    # Multi-LoRA (adapters/): slots on the device, adapters held in host memory, largest rank.
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 16
+    lora_memory_fraction: float = 0.1
+    # A waiting request older than this is admitted before younger ones whatever its adapter or tenant.
+    max_wait_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if not 0.0 < self.lora_memory_fraction < 1.0:
+            raise ValueError(f"lora_memory_fraction must be in (0, 1), got {self.lora_memory_fraction}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                "every adapter on the device also has its host copy"
+            )
+
+    @classmethod
+    def from_options(cls, **options: object) -> EngineConfig:
+        """Build from keyword options, refusing unknown names (typos must not pass silently)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; expected some of {sorted(known)}")
+        return cls(**options)  # type: ignore[arg-type]

@@ -1,0 +1,170 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+
+Module and parameter names mirror the Hugging Face checkpoints, except that q/k/v and gate/up are
+packed into one projection each (one matmul instead of three/two); `PACKED` maps checkpoint names to
+(packed name, slice index) so loading stays a small mapping.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from base_engine.attention import AttentionMetadata, attend, write_kv
+from base_engine.config import ModelConfig
+
+# checkpoint module -> (packed module, index of its slice)
+PACKED: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LoraBatch(Protocol):
+    """Per-step multi-LoRA state: adds each row's adapter delta to a projection's output in place."""
+
+    def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in fp32 and cast back, as the HF reference does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, out, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoraBatch | None,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        if lora is not None:
+            lora.apply(self.layer, "qkv_proj", qkv, x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        attn = attend(q, k, v, kv_cache, meta, self.scale).view(num_tokens, self.q_size)
+        out = self.o_proj(attn)
+        if lora is not None:
+            lora.apply(self.layer, "o_proj", out, attn)
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if lora is not None:
+            lora.apply(self.layer, "gate_up_proj", gate_up, x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        hidden = F.silu(gate) * up
+        out = self.down_proj(hidden)
+        if lora is not None:
+            lora.apply(self.layer, "down_proj", out, hidden)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, layer)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoraBatch | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """`forward` returns final hidden states for the step's tokens; `logits` projects chosen rows."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, head_dim]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin, kv_cache, meta, lora)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        return self.lm_head(hidden).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE. x [T, heads, D]; cos, sin [T, D]."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,138 @@
+"""Turns one scheduled step into flat tensors, runs the model and returns the rows to sample.
+
+Rows are laid out decodes first (contiguous, so decode attention needs no gather of queries), then
+prefill chunks: e.g. decodes a, b and chunks c (3 tokens), d (2) -> rows [a, b, c0, c1, c2, d0, d1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from base_engine.attention import AttentionMetadata, PrefillChunk, chunk_mask
+from base_engine.config import ModelConfig
+from base_engine.model import CausalLM, LoraBatch
+from base_engine.rope import rope_inv_freq
+from base_engine.scheduler import ScheduledSeq, SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's flattened inputs."""
+
+    order: list[ScheduledSeq]  # row-block order: decodes then prefills
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampled] rows whose logits are sampled
+    sampled: list[ScheduledSeq]  # the requests those rows belong to, same order
+    row_slots: list[int]  # adapter slot of every row (-1 = base model), for the LoRA metadata
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: ModelConfig,
+        *,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sliding_window = config.sliding_window
+        inv_freq, attention_scaling = rope_inv_freq(config.rope, config.head_dim)
+        # cos/sin table for every position once: [max_model_len, head_dim]
+        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = next(model.parameters()).dtype
+        self.cos = (emb.cos() * attention_scaling).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * attention_scaling).to(dtype=dtype, device=device)
+
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 and s.start > 0]
+        prefills = [s for s in sched.scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
+        order = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        row_slots: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[ScheduledSeq] = []
+        chunks: list[PrefillChunk] = []
+        bs = self.block_size
+        for i, item in enumerate(order):
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            row = len(input_ids)
+            input_ids += seq.token_ids(start, start + n)
+            table = seq.block_table
+            for pos in range(start, start + n):
+                slots.append(table[pos // bs] * bs + pos % bs)
+            positions += range(start, start + n)
+            row_slots += [seq.adapter_slot] * n
+            if item.is_sampled:
+                sample_rows.append(row + n - 1)
+                sampled.append(item)
+            if i >= len(decodes):
+                block_table = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long)
+                chunks.append(PrefillChunk(row, n, start, block_table, chunk_mask(start, n, self.sliding_window)))
+        meta = self._decode_meta(decodes)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
+        meta.prefills = chunks
+        return StepBatch(
+            order=order,
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            sampled=sampled,
+            row_slots=row_slots,
+        )
+
+    def _decode_meta(self, decodes: list[ScheduledSeq]) -> AttentionMetadata:
+        num = len(decodes)
+        bs = self.block_size
+        max_blocks = max((len(d.seq.block_table) for d in decodes), default=0)
+        tables = torch.zeros((num, max_blocks), dtype=torch.long)
+        for i, d in enumerate(decodes):
+            tables[i, : len(d.seq.block_table)] = torch.tensor(d.seq.block_table, dtype=torch.long)
+        seq_lens = torch.tensor([d.start + 1 for d in decodes], dtype=torch.long).unsqueeze(1)
+        key_pos = torch.arange(max_blocks * bs).unsqueeze(0)  # [1, L]
+        valid = key_pos < seq_lens
+        if self.sliding_window is not None:
+            valid &= (seq_lens - 1 - key_pos) < self.sliding_window
+        mask = torch.zeros(valid.shape, dtype=self.cos.dtype).masked_fill_(~valid, float("-inf"))
+        return AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long),
+            decode_rows=torch.arange(num, dtype=torch.long),
+            decode_block_tables=tables,
+            decode_mask=mask.view(num, 1, 1, -1),
+            prefills=[],
+            num_decodes=num,
+            is_decode_contiguous=True,
+        )
+
+    def execute(self, batch: StepBatch, lora: LoraBatch | None = None) -> torch.Tensor:
+        """Runs the model; returns fp32 logits [num_sampled, vocab] for batch.sampled."""
+        cos_sin = (self.cos[batch.positions], self.sin[batch.positions])
+        hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora)
+        return self.model.logits(hidden.index_select(0, batch.sample_rows))
+
+
+def allocate_kv_caches(
+    config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, zeroed (lazily by the OS)."""
+    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+    return per_token * block_size

@@ -1,0 +1,59 @@
+"""What the engine hands back: per-request outputs (streamed deltas and final state) and statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    queue_time_s: float = 0.0  # arrival -> first scheduled
+    prefill_time_s: float = 0.0  # first scheduled -> first token
+    ttft_s: float = 0.0  # arrival -> first token
+    e2e_s: float = 0.0  # arrival -> finished
+    inter_token_s: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far
+    text: str  # generated text so far (cut at a stop string)
+    new_token_ids: list[int] = field(default_factory=list)  # produced by the last step
+    new_text: str = ""  # text safe to stream since the previous output (never half a UTF-8 char)
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[dict[int, float]] | None = None  # per generated token, when asked
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+    metrics: RequestMetrics | None = None  # set when finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_preemptions: int
+    num_prefix_queries: int  # prompt tokens looked up in the prefix cache
+    num_prefix_hits: int  # of those, tokens found
+    num_steps: int
+    adapters: dict[str, object] = field(default_factory=dict)  # adapter cache statistics
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_used / max(1, self.num_kv_blocks_total)

@@ -1,0 +1,177 @@
+"""Token-budget continuous batching (Orca, OSDI 2022; vLLM v1's unified scheduler).
+
+Each step gives every scheduled request a number of tokens: a decode is 1, a prefill chunk is up to the
+remaining budget; prefix hits simply start a request with tokens already computed. Running requests
+are served first (oldest first), then waiting ones are admitted in the order the admission policy
+gives. When blocks run out the newest running request is preempted and recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from base_engine.block_manager import BlockManager
+from base_engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens of this request computed in this step
+    start: int  # its num_computed_tokens before the step (position of the first new token)
+
+    @property
+    def is_sampled(self) -> bool:
+        """The step reaches the end of the request's tokens, so it yields a new token."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # batch order = flattened token order
+    num_batched_tokens: int = 0  # sum of num_new_tokens
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting in this step
+    overflowed: list[Sequence] = field(default_factory=list)  # can never fit the whole KV pool: to finish
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class AdmissionPolicy:
+    """Order of waiting requests and whether one may start now. The default is FCFS, all admissible.
+
+    The multi-LoRA policy (adapter residency, max distinct adapters per step, tenant fairness)
+    replaces it; it is also told when requests start and which tokens were scheduled.
+    """
+
+    def order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+        return list(waiting)
+
+    def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        return True
+
+    def on_scheduled(self, output: SchedulerOutput) -> None:
+        return None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        policy: AdmissionPolicy | None = None,
+        on_preempt: Callable[[Sequence], None] | None = None,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy or AdmissionPolicy()
+        self.on_preempt = on_preempt
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # 1. Running requests, oldest first: decodes and the rest of chunked prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if self._exceeds_pool(seq, num_new):
+                out.overflowed.append(seq)
+                i += 1
+                continue
+            if not self._make_room(seq, num_new, out):
+                break  # seq itself was preempted: it was the newest, nothing after it remains
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+            budget -= num_new
+            i += 1
+        # 2. Waiting requests, unless this step had to preempt (memory is tight: let running ones finish).
+        if not out.preempted:
+            budget = self._admit_waiting(budget, out)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        self.policy.on_scheduled(out)
+        return out
+
+    def _exceeds_pool(self, seq: Sequence, num_new: int) -> bool:
+        needed = -(-(seq.num_computed_tokens + num_new) // self.block_manager.block_size)
+        return needed > self.block_manager.num_blocks
+
+    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for seq, preempting the newest running requests if needed."""
+        while not self.block_manager.can_allocate(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, num_new)
+        return True
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        for seq in self.policy.order(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not self.policy.can_admit(seq, self.running):
+                continue
+            if not seq.block_table:
+                num_hit = self.block_manager.match_prefix(seq)
+                seq.num_computed_tokens = num_hit
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = num_hit
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if self._exceeds_pool(seq, num_new):
+                out.overflowed.append(seq)
+                continue
+            is_partial = num_new < seq.num_uncomputed_tokens
+            if (is_partial and not self.enable_chunked_prefill) or not self.block_manager.can_allocate(
+                seq, num_new
+            ):
+                break  # FCFS: a request that cannot start blocks the ones behind it
+            self.block_manager.allocate(seq, num_new)
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = time.monotonic()
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute-style preemption: drop its KV blocks, keep its tokens, queue it first."""
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """The only place a request leaves the scheduler (finished, aborted or failed)."""
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_sequence(seq)

@@ -1,0 +1,24 @@
+"""Shared pytest set-up: fixture plugins live in tests/fixtures/ (one module per real part)."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+pytest_plugins = [
+    "tests.fixtures.models",
+    "tests.fixtures.postgres",
+    "tests.fixtures.s3",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
