@@ -91,8 +91,13 @@ class AsyncEngine:
     def _add(self, request: EngineRequest, arrival: float) -> None:
         try:
             self.engine.add_request(
-                request.request_id, request.prompt_token_ids, request.params, adapter=request.adapter,
-                tenant_id=request.tenant_id, cache_salt=request.cache_salt, arrival=arrival,
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                adapter=request.adapter,
+                tenant_id=request.tenant_id,
+                cache_salt=request.cache_salt,
+                arrival=arrival,
             )
         except Exception as exc:  # noqa: BLE001 - the request fails, the loop goes on
             self._deliver(_failed(request, str(exc)))
@@ -110,7 +115,9 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
                 logger.exception("engine step failed; failing its requests")
-                outputs = [self.engine.fail(rid, f"engine error: {exc}") for rid in list(self.engine.requests)]
+                outputs = [
+                    self.engine.fail(rid, f"engine error: {exc}") for rid in list(self.engine.requests)
+                ]
             self._deliver_all(outputs)
             self._stats = self.engine.stats()
 
@@ -133,6 +140,10 @@ class AsyncEngine:
 
 def _failed(request: EngineRequest, error: str) -> RequestOutput:
     return RequestOutput(
-        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, token_ids=[], text="",
-        finish_reason="error", error=error,
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=[],
+        text="",
+        finish_reason="error",
+        error=error,
     )

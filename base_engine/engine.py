@@ -62,10 +62,15 @@ class LLMEngine:
         model = load_model(self.model_dir, self.model_config, dtype=self.dtype, device=self.device)
         num_blocks = num_kv_blocks(self.model_config, self.config, dtype=self.dtype, device=self.device)
         kv_caches = allocate_kv_caches(
-            self.model_config, num_blocks=num_blocks, block_size=self.config.block_size, dtype=self.dtype,
+            self.model_config,
+            num_blocks=num_blocks,
+            block_size=self.config.block_size,
+            dtype=self.dtype,
             device=self.device,
         )
-        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=self.config.max_num_seqs,
@@ -73,8 +78,12 @@ class LLMEngine:
             enable_chunked_prefill=self.config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(
-            model, self.model_config, kv_caches=kv_caches, block_size=self.config.block_size,
-            max_model_len=self.max_model_len, device=self.device,
+            model,
+            self.model_config,
+            kv_caches=kv_caches,
+            block_size=self.config.block_size,
+            max_model_len=self.max_model_len,
+            device=self.device,
         )
         self.sampler = Sampler(seed=self.config.seed)
         self.lora = None  # set by attach_lora (adapters.LoraManager) for multi-LoRA serving
@@ -89,7 +98,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings {limit}")
         window = self.model_config.sliding_window
         if self.model_config.model_type == "mistral" and window is not None and window < max_len:
-            logger.info("serving %s with sliding window %d < max_model_len %d", self.model_dir, window, max_len)
+            logger.info(
+                "serving %s with sliding window %d < max_model_len %d", self.model_dir, window, max_len
+            )
         if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < max_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) must be >= max_model_len "
@@ -175,14 +186,18 @@ class LLMEngine:
         batch = self.runner.prepare(sched)
         lora_batch = self.lora.prepare_step(batch.row_slots) if self.lora is not None else None
         logits = self.runner.execute(batch, lora_batch)
-        rows = [SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.generator)
-                for s in batch.sampled]
+        rows = [
+            SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.generator)
+            for s in batch.sampled
+        ]
         sampled = self.sampler(logits, rows) if rows else None
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_full_blocks(item.seq)
         if sampled is not None:
-            for item, token_id, logprobs in zip(batch.sampled, sampled.token_ids, sampled.logprobs, strict=True):
+            for item, token_id, logprobs in zip(
+                batch.sampled, sampled.token_ids, sampled.logprobs, strict=True
+            ):
                 outputs.append(self._append_token(item.seq, token_id, logprobs))
         return outputs
 

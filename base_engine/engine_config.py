@@ -38,7 +38,9 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
         if not 0.0 < self.lora_memory_fraction < 1.0:
             raise ValueError(f"lora_memory_fraction must be in (0, 1), got {self.lora_memory_fraction}")
         if self.max_cpu_loras < self.max_loras:

@@ -10,7 +10,9 @@ from base_engine.engine_config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from base_engine.model_runner import kv_bytes_per_block
 
 
-def num_kv_blocks(config: ModelConfig, engine: EngineConfig, *, dtype: torch.dtype, device: torch.device) -> int:
+def num_kv_blocks(
+    config: ModelConfig, engine: EngineConfig, *, dtype: torch.dtype, device: torch.device
+) -> int:
     if engine.num_kv_blocks is not None:
         return engine.num_kv_blocks
     per_block = kv_bytes_per_block(config, engine.block_size, dtype)

@@ -17,9 +17,16 @@ from base_engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(
-        self, model: str | Path, *, device: str = "cpu", dtype: str | torch.dtype = "float32", **engine_options: object
+        self,
+        model: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        **engine_options: object,
     ) -> None:
-        self.engine = LLMEngine(model, device=device, dtype=dtype, config=EngineConfig.from_options(**engine_options))
+        self.engine = LLMEngine(
+            model, device=device, dtype=dtype, config=EngineConfig.from_options(**engine_options)
+        )
         self._ids = itertools.count()
 
     @property
@@ -63,7 +70,9 @@ class LLM:
             return [value] * num
         values = list(value)
         if len(values) != num:
-            raise ValueError(f"{name} has {len(values)} entries for {num} prompts; give one or one per prompt")
+            raise ValueError(
+                f"{name} has {len(values)} entries for {num} prompts; give one or one per prompt"
+            )
         return values
 
     def _adapter_refs(self, adapters: Seq[str | Path | None] | None, num: int) -> list[AdapterRef | None]:

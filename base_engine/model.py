@@ -15,6 +15,7 @@ from torch import nn
 
 from base_engine.attention import AttentionMetadata, attend, write_kv
 from base_engine.config import ModelConfig
+from base_engine.rope import apply_rope
 
 # checkpoint module -> (packed module, index of its slice)
 PACKED: dict[str, tuple[str, int]] = {
@@ -159,12 +160,3 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         return self.lm_head(hidden).float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE. x [T, heads, D]; cos, sin [T, D]."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -13,7 +13,7 @@ import torch
 from base_engine.attention import AttentionMetadata, PrefillChunk, chunk_mask
 from base_engine.config import ModelConfig
 from base_engine.model import CausalLM, LoraBatch
-from base_engine.rope import rope_inv_freq
+from base_engine.rope import RopeCache
 from base_engine.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -46,13 +46,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sliding_window = config.sliding_window
-        inv_freq, attention_scaling = rope_inv_freq(config.rope, config.head_dim)
-        # cos/sin table for every position once: [max_model_len, head_dim]
-        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
         dtype = next(model.parameters()).dtype
-        self.cos = (emb.cos() * attention_scaling).to(dtype=dtype, device=device)
-        self.sin = (emb.sin() * attention_scaling).to(dtype=dtype, device=device)
+        self.dtype = dtype
+        self.rope = RopeCache(config.rope, config.head_dim, dtype=dtype, device=device)
+        self.rope(torch.tensor([max_model_len - 1]))  # build the whole table once, up front
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 and s.start > 0]
@@ -80,7 +77,9 @@ class ModelRunner:
                 sampled.append(item)
             if i >= len(decodes):
                 block_table = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long)
-                chunks.append(PrefillChunk(row, n, start, block_table, chunk_mask(start, n, self.sliding_window)))
+                chunks.append(
+                    PrefillChunk(row, n, start, block_table, chunk_mask(start, n, self.sliding_window))
+                )
         meta = self._decode_meta(decodes)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
         meta.prefills = chunks
@@ -106,12 +105,12 @@ class ModelRunner:
         valid = key_pos < seq_lens
         if self.sliding_window is not None:
             valid &= (seq_lens - 1 - key_pos) < self.sliding_window
-        mask = torch.zeros(valid.shape, dtype=self.cos.dtype).masked_fill_(~valid, float("-inf"))
+        mask = torch.zeros(valid.shape, dtype=self.dtype).masked_fill_(~valid, float("-inf"))
         return AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.long),
             decode_rows=torch.arange(num, dtype=torch.long),
             decode_block_tables=tables,
-            decode_mask=mask.view(num, 1, 1, -1),
+            decode_mask=mask.view(num, 1, 1, max_blocks * bs),
             prefills=[],
             num_decodes=num,
             is_decode_contiguous=True,
@@ -119,7 +118,7 @@ class ModelRunner:
 
     def execute(self, batch: StepBatch, lora: LoraBatch | None = None) -> torch.Tensor:
         """Runs the model; returns fp32 logits [num_sampled, vocab] for batch.sampled."""
-        cos_sin = (self.cos[batch.positions], self.sin[batch.positions])
+        cos_sin = self.rope(batch.positions)
         hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora)
         return self.model.logits(hidden.index_select(0, batch.sample_rows))
 

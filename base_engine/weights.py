@@ -41,7 +41,7 @@ def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, devi
         sources = checkpoint_sources(name)
         tensors = []
         for src in sources:
-            if src not in reader.names():
+            if src not in reader:
                 raise MissingTensorError(
                     f"tensor {src!r} missing from checkpoint {model_dir} (files: {reader.files()}); "
                     f"{config.architecture} with this config.json needs it"

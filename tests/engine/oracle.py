@@ -8,7 +8,9 @@ import torch
 NEAR_TIE = 1e-3
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, top: int = 5, **kwargs) -> tuple[list[int], list[dict[int, float]]]:
+def hf_greedy(
+    model, prompt_ids: list[int], max_new_tokens: int, top: int = 5, **kwargs
+) -> tuple[list[int], list[dict[int, float]]]:
     """Reference greedy decode with transformers; returns tokens and top-`top` raw logprobs per step."""
     input_ids = torch.tensor([prompt_ids])
     with torch.no_grad():
@@ -67,14 +69,25 @@ def assert_greedy_match(
     return n
 
 
-def assert_same_generation(a_tokens: list[int], a_lps: list[dict[int, float]], b_tokens: list[int],
-                           b_lps: list[dict[int, float]], *, atol: float = 1e-3, label: str = "") -> None:
+def assert_same_generation(
+    a_tokens: list[int],
+    a_lps: list[dict[int, float]],
+    b_tokens: list[int],
+    b_lps: list[dict[int, float]],
+    *,
+    atol: float = 1e-3,
+    label: str = "",
+) -> None:
     """Two runs of our engine (e.g. alone vs in a batch) under the same near-tie rule."""
     for i in range(min(len(a_tokens), len(b_tokens))):
         for tok, lp in a_lps[i].items():
             if tok in b_lps[i]:
-                assert abs(b_lps[i][tok] - lp) <= atol, f"{label} step {i} token {tok}: {b_lps[i][tok]} vs {lp}"
+                assert abs(b_lps[i][tok] - lp) <= atol, (
+                    f"{label} step {i} token {tok}: {b_lps[i][tok]} vs {lp}"
+                )
         if a_tokens[i] != b_tokens[i]:
-            assert is_near_tie(a_lps[i], a_tokens[i], b_tokens[i]), f"{label} step {i}: diverged without near-tie"
+            assert is_near_tie(a_lps[i], a_tokens[i], b_tokens[i]), (
+                f"{label} step {i}: diverged without near-tie"
+            )
             return
     assert len(a_tokens) == len(b_tokens), f"{label}: lengths {len(a_tokens)} vs {len(b_tokens)}"

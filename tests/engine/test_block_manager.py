@@ -55,8 +55,13 @@ ops = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=ops, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4]),
-       budget=st.integers(1, 24), caching=st.booleans())
+@given(
+    ops=ops,
+    num_blocks=st.integers(4, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    budget=st.integers(1, 24),
+    caching=st.booleans(),
+)
 def test_random_add_step_abort_never_leaks(ops, num_blocks, block_size, budget, caching) -> None:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=budget)

@@ -1,0 +1,63 @@
+"""Shared pieces of the benchmarks: the "bench-small" model and the reference workload."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from base_engine.tiny_checkpoint import save_random_checkpoint
+
+BENCH_SMALL = dict(
+    arch="llama",
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1408,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_requested_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def bench_small(root: Path) -> Path:
+    path = root / "bench-small"
+    if not (path / "config.json").exists():
+        save_random_checkpoint(path, **BENCH_SMALL)
+    return path
+
+
+def make_workload(
+    num: int = 64, seed: int = 0, prompt=(32, 256), output=(16, 128), vocab: int = 32000
+) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(*prompt))] for _ in range(num)]
+    return Workload(prompts, [rng.randint(*output) for _ in range(num)])
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def setup_threads() -> int:
+    threads = max(1, min(torch.get_num_threads(), 16))
+    torch.set_num_threads(threads)
+    return threads

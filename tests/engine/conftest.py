@@ -1,0 +1,30 @@
+"""Engine test helpers: HF reference models and random prompts."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def random_prompts(num: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Token ids >= 3 keep clear of the special tokens (bos/eos) at the bottom of the tiny vocab.
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
+
+
+@pytest.fixture(scope="session")
+def hf_model_cache():
+    cache: dict[Path, torch.nn.Module] = {}
+
+    def load(model_dir: Path) -> torch.nn.Module:
+        if model_dir not in cache:
+            cache[model_dir] = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+        return cache[model_dir]
+
+    return load
