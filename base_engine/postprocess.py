@@ -50,6 +50,7 @@ def finish_output(seq: Sequence, detok: Detokenizer) -> RequestOutput:
         e2e_s=times.finished - times.arrival,
         inter_token_s=list(times.inter_token),
     )
+    new_text = detok.take_delta(is_final=True)  # first: it completes `text` with any trailing bytes
     new_token_ids = seq.output_token_ids[-1:] if seq.status != SequenceStatus.FINISHED_ABORTED else []
     return RequestOutput(
         request_id=seq.request_id,
@@ -57,7 +58,7 @@ def finish_output(seq: Sequence, detok: Detokenizer) -> RequestOutput:
         token_ids=list(seq.output_token_ids),
         text=detok.text,
         new_token_ids=new_token_ids,
-        new_text=detok.take_delta(is_final=True),
+        new_text=new_text,
         new_logprobs=seq.output_logprobs[-1:] if new_token_ids and seq.output_logprobs else [],
         finish_reason=seq.status.finish_reason,
         logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,

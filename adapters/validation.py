@@ -1,0 +1,52 @@
+"""Upload-time validation of a PEFT LoRA adapter against a base model (platform.md section 4.2 checklist).
+
+Safetensors only (pickle is never read); the weights' size is checked before any byte is read; the
+header is checked before torch sees the data; every tensor's shape is checked against the base
+projection, every rank against `max_lora_rank`, every value for finiteness in the serving dtype.
+The returned `AdapterSummary` carries the sha256 of the exact bytes that were parsed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from adapters.format import parse_adapter, read_adapter_files
+from adapters.types import AdapterSummary, AdapterValidationError, BaseModelShapes
+
+__all__ = ["validate_adapter"]
+
+_SERVING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def validate_adapter(
+    adapter_dir: Path,
+    *,
+    base: BaseModelShapes,
+    max_lora_rank: int,
+    max_size_bytes: int,
+    dtype: torch.dtype = torch.float32,
+) -> AdapterSummary:
+    """Check an adapter directory on CPU; raises AdapterFormatError (or a subclass) naming the cause.
+
+    `dtype` is the dtype the engine will serve the factors in: values must stay finite after the cast.
+    """
+    if dtype not in _SERVING_DTYPES:
+        raise AdapterValidationError(
+            f"serving dtype {dtype} is not supported; expected one of {_SERVING_DTYPES}"
+        )
+    if max_lora_rank <= 0 or max_size_bytes <= 0:
+        raise AdapterValidationError(f"limits must be positive: {max_lora_rank=}, {max_size_bytes=}")
+    files = read_adapter_files(Path(adapter_dir), max_size_bytes=max_size_bytes)
+    adapter = parse_adapter(files, base=base, dtype=dtype, max_lora_rank=max_lora_rank)
+    return AdapterSummary(
+        ranks=dict(adapter.rank_by_module),
+        modules=adapter.modules,
+        max_rank=adapter.max_rank,
+        num_layers_covered=len(adapter.layers),
+        size_bytes=len(files.weights_bytes),
+        sha256=hashlib.sha256(files.weights_bytes).hexdigest(),
+        config_sha256=hashlib.sha256(files.config_bytes).hexdigest(),
+    )
