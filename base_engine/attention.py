@@ -62,17 +62,16 @@ def _decode(
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
     bd = meta.num_decodes
     qd = q[:bd] if meta.is_decode_contiguous else q.index_select(0, meta.decode_rows)
-    qd = qd.view(bd, num_kv_heads, group, head_dim)  # [Bd, KVH, G, D]
-    # Gather each sequence's blocks: [Bd, max_blocks, bs, KVH, D] -> [Bd, KVH, L, D]
-    keys = kv_cache[0][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    values = kv_cache[1][meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    scores = torch.matmul(qd, keys.transpose(2, 3)) * scale  # [Bd, KVH, G, L]
-    scores += meta.decode_mask
-    probs = torch.softmax(scores, dim=-1)
-    res = torch.matmul(probs, values).reshape(bd, num_heads, head_dim)  # [Bd, H, D]
+    # Queries of one KV head's group act as a G-long query "sequence": [Bd, KVH, G, D]
+    qd = qd.view(bd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    # Gather each sequence's blocks: [Bd * max_blocks, bs, KVH, D] -> [Bd, KVH, L, D]
+    flat = meta.decode_block_tables.view(-1)
+    keys = kv_cache[0].index_select(0, flat).view(bd, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = kv_cache[1].index_select(0, flat).view(bd, -1, num_kv_heads, head_dim).transpose(1, 2)
+    res = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask, scale=scale)
+    res = res.reshape(bd, num_heads, head_dim)  # [Bd, H, D]
     if meta.is_decode_contiguous:
         out[:bd] = res
     else:

@@ -1,0 +1,118 @@
+"""Engine and session helpers, and Alembic upgrade/downgrade run in-process.
+
+SQLAlchemy 2.0 sync engine for any URL (`sqlite:///path`, `postgresql+psycopg://...`). SQLite is
+the embedded default; it gets WAL, a busy timeout, foreign keys and `BEGIN IMMEDIATE` (the recipe
+in SQLAlchemy's SQLite dialect docs) so that concurrent writers queue on the lock instead of
+failing on a read-to-write lock upgrade.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Take transaction control away from the sqlite3 module; `_sqlite_on_begin` emits BEGIN.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout = {_SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA foreign_keys = ON")
+    cursor.execute("PRAGMA journal_mode = WAL")
+    cursor.close()
+
+
+def _sqlite_on_begin(conn: Any) -> None:
+    # IMMEDIATE takes the write lock at BEGIN, so a transaction that reads then writes waits for
+    # other writers (busy_timeout) instead of failing with SQLITE_BUSY mid-transaction.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An Engine for `url`; extra keyword arguments go to `sqlalchemy.create_engine`."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, **kwargs)
+        event.listen(engine, "connect", _sqlite_on_connect)
+        event.listen(engine, "begin", _sqlite_on_begin)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(url, **kwargs)
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions that keep loaded attributes after commit (service results are built after it)."""
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Config:
+    """Alembic configuration pointing at the `migrations` package, for `url`."""
+    import migrations
+
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    config.set_main_option("file_template", "%%(year)d_%%(month).2d_%%(day).2d_%%(rev)s_%%(slug)s")
+    # Passed as an attribute, not an ini option: ini values would %-interpolate passwords.
+    config.attributes["url"] = url
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Apply migrations up to `revision` (default: the newest) on the database at `url`."""
+    logger.info("upgrading database %s to %s", make_url(url).render_as_string(hide_password=True), revision)
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    """Revert migrations down to `revision` (default: an empty schema)."""
+    logger.info("downgrading database %s to %s", make_url(url).render_as_string(hide_password=True), revision)
+    command.downgrade(alembic_config(url), revision)
+
+
+def current_revision(url: str) -> str | None:
+    """The revision the database at `url` is at, or None when it has never been migrated."""
+    from alembic.runtime.migration import MigrationContext
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def transactional(fn: Callable[Concatenate[Session, P], R]) -> Callable[Concatenate[Session, P], R]:
+    """Make a service function one transaction: commit on return, roll back on error.
+
+    Reads commit too, so no lock (SQLite) or snapshot (PostgreSQL) outlives the call even when the
+    caller keeps its session open, e.g. for the length of a streamed response.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(session: Session, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            result = fn(session, *args, **kwargs)
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        return result
+
+    return wrapper

@@ -1,0 +1,204 @@
+"""Usage records for billing: one row per engine request, idempotent by request id.
+
+The pattern of ../shared/reference/platform.md, section 3.2: rows are written with
+INSERT ... ON CONFLICT (request_id) DO NOTHING (SQLite and PostgreSQL), so replaying a batch after
+a crash or retry never double-bills; the export hands rows out at-least-once with the request id as
+the CloudEvents 1.0 `id`, so any downstream billing system can dedupe. Time ranges and days use
+`finished_at` in UTC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from registry.db import transactional
+from registry.models import UsageRow
+
+GroupBy = Literal["day", "adapter", "key", "tenant"]
+# Group key of requests served by the base model; adapter keys always contain "@".
+BASE_MODEL_KEY = "base"
+CLOUDEVENT_TYPE = "dev.loraserve.request.usage"
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """What one request cost, as metered when it ended (finished, stopped, aborted or failed)."""
+
+    request_id: str
+    tenant_id: str
+    key_prefix: str | None
+    adapter_name: str | None  # None = base model
+    adapter_version: int | None
+    prompt_tokens: int
+    cached_prompt_tokens: int  # prompt tokens served from the prefix cache
+    completion_tokens: int
+    finish_reason: str
+    queue_time_s: float
+    ttft_s: float | None  # None when no token was produced
+    total_time_s: float
+    created_at: datetime
+    finished_at: datetime
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("usage record needs a non-empty request_id")
+        for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)} ({self.request_id})")
+        if self.cached_prompt_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"cached_prompt_tokens {self.cached_prompt_tokens} > prompt_tokens {self.prompt_tokens} "
+                f"({self.request_id})"
+            )
+        if (self.adapter_name is None) != (self.adapter_version is None):
+            raise ValueError(
+                f"adapter_name and adapter_version must be both set or both None ({self.request_id})"
+            )
+        if self.created_at.tzinfo is None or self.finished_at.tzinfo is None:
+            raise ValueError(f"created_at and finished_at must be timezone-aware ({self.request_id})")
+
+    @classmethod
+    def from_row(cls, row: UsageRow) -> UsageRecord:
+        return cls(**{f.name: getattr(row, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
+class UsageGroup:
+    key: str  # "2026-11-29" | "name@version" or BASE_MODEL_KEY | key prefix | tenant id
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class UsagePage:
+    records: list[UsageRecord]
+    next_cursor: str | None  # pass back to continue after the last record; None when nothing read yet
+    has_more: bool  # the page was full: ask again at once
+
+
+@transactional
+def write_usage(session: Session, records: list[UsageRecord]) -> int:
+    """Insert the records whose request id is new; returns how many were inserted."""
+    unique = list({r.request_id: r for r in reversed(records)}.values())[::-1]  # first of duplicates wins
+    if not unique:
+        return 0
+    dialect = session.get_bind().dialect.name
+    insert = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}.get(dialect)
+    if insert is None:
+        raise ValueError(f"write_usage supports sqlite and postgresql, got dialect {dialect!r}")
+    table = UsageRow.__table__
+    stmt = insert(table).on_conflict_do_nothing(index_elements=["request_id"]).returning(table.c.request_id)
+    inserted = session.execute(stmt, [dataclasses.asdict(r) for r in unique]).all()
+    return len(inserted)
+
+
+def _day(session: Session) -> ColumnElement[str]:
+    dialect = session.get_bind().dialect.name
+    if dialect == "sqlite":
+        return func.strftime("%Y-%m-%d", UsageRow.finished_at)
+    if dialect == "postgresql":
+        return func.to_char(func.timezone("UTC", UsageRow.finished_at), "YYYY-MM-DD")
+    raise ValueError(f"usage_summary supports sqlite and postgresql, got dialect {dialect!r}")
+
+
+def _in_range(
+    query: Select[Any], tenant_id: str | None, start: datetime | None, end: datetime | None
+) -> Select[Any]:
+    if tenant_id is not None:
+        query = query.where(UsageRow.tenant_id == tenant_id)
+    if start is not None:
+        query = query.where(UsageRow.finished_at >= start)
+    if end is not None:
+        query = query.where(UsageRow.finished_at < end)
+    return query
+
+
+@transactional
+def usage_summary(
+    session: Session,
+    *,
+    tenant_id: str | None = None,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    group_by: GroupBy = "day",
+) -> list[UsageGroup]:
+    """Totals of requests finished in [start, end), grouped and sorted by key."""
+    columns: dict[str, list[Any]] = {
+        "day": [_day(session)] if group_by == "day" else [],
+        "adapter": [UsageRow.adapter_name, UsageRow.adapter_version],
+        "key": [UsageRow.key_prefix],
+        "tenant": [UsageRow.tenant_id],
+    }
+    if group_by not in columns:
+        raise ValueError(f"group_by must be one of {sorted(columns)}, got {group_by!r}")
+    group = columns[group_by]
+    totals = (
+        func.count(),
+        func.sum(UsageRow.prompt_tokens),
+        func.sum(UsageRow.cached_prompt_tokens),
+        func.sum(UsageRow.completion_tokens),
+    )
+    query = _in_range(select(*group, *totals).group_by(*group), tenant_id, start, end)
+    result = []
+    for row in session.execute(query):
+        *parts, requests, prompt, cached, completion = row
+        if group_by == "adapter":
+            key = BASE_MODEL_KEY if parts[0] is None else f"{parts[0]}@{parts[1]}"
+        else:
+            key = "" if parts[0] is None else str(parts[0])
+        result.append(UsageGroup(key, int(requests), int(prompt), int(cached), int(completion)))
+    return sorted(result, key=lambda g: g.key)
+
+
+@transactional
+def export_usage(
+    session: Session,
+    *,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    cursor: str | None = None,
+    limit: int = 1000,
+    tenant_id: str | None = None,
+) -> UsagePage:
+    """Raw records in insertion order, `limit` at a time, resumable from `cursor`.
+
+    Bound: a row whose transaction commits after a later-numbered row was exported can be skipped;
+    the server writes usage from one flusher, so ids commit in order.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    after = 0
+    if cursor:
+        if not cursor.isdigit():
+            raise ValueError(f"cursor must be one returned by export_usage, got {cursor!r}")
+        after = int(cursor)
+    query = _in_range(select(UsageRow).where(UsageRow.id > after), tenant_id, start, end)
+    rows = list(session.scalars(query.order_by(UsageRow.id).limit(limit)))
+    next_cursor = str(rows[-1].id) if rows else cursor
+    return UsagePage([UsageRecord.from_row(r) for r in rows], next_cursor, has_more=len(rows) == limit)
+
+
+def to_cloudevent(record: UsageRecord, *, source: str = "loraserve") -> dict[str, Any]:
+    """A CloudEvents 1.0 JSON event of one record; `id` is the request id (the dedupe key)."""
+    data = dataclasses.asdict(record)
+    data["created_at"] = record.created_at.isoformat()
+    data["finished_at"] = record.finished_at.isoformat()
+    return {
+        "specversion": "1.0",
+        "type": CLOUDEVENT_TYPE,
+        "source": source,
+        "id": record.request_id,
+        "subject": record.tenant_id,
+        "time": record.finished_at.isoformat(),
+        "datacontenttype": "application/json",
+        "data": data,
+    }
