@@ -11,12 +11,14 @@ from pathlib import Path
 
 import torch
 
+from adapters.cache import Fetch
 from adapters.types import AdapterRef
 from base_engine.block_manager import BlockManager
 from base_engine.config import ModelConfig, load_model_config
 from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
 from base_engine.kv_sizing import num_kv_blocks
+from base_engine.lora import make_lora_manager
 from base_engine.model_runner import ModelRunner, allocate_kv_caches
 from base_engine.outputs import EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
@@ -50,7 +52,10 @@ class LLMEngine:
         device: str = "cpu",
         dtype: str | torch.dtype = "float32",
         config: EngineConfig | None = None,
+        fetch: Fetch | None = None,
     ) -> None:
+        """`fetch(ref) -> local adapter dir` feeds the adapter cache (the registry's disk tier in the
+        server); without it an adapter ref's `source` is taken as a local directory."""
         self.model_dir = Path(model_dir)
         self.model_config = load_model_config(self.model_dir)
         self.config = config or EngineConfig()
@@ -86,7 +91,7 @@ class LLMEngine:
             device=self.device,
         )
         self.sampler = Sampler(seed=self.config.seed)
-        self.lora = None  # set by attach_lora (adapters.LoraManager) for multi-LoRA serving
+        self.lora = make_lora_manager(self, fetch)
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
         self.num_steps = 0
@@ -142,8 +147,6 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self.validate(prompt_token_ids, params)
-        if adapter is not None and self.lora is None:
-            raise NotImplementedError("this engine serves no adapters (attach a LoraManager first)")
         seq = Sequence(request_id, list(prompt_token_ids), params, adapter, tenant_id, cache_salt)
         if arrival is not None:
             seq.times.arrival = arrival
@@ -151,8 +154,7 @@ class LLMEngine:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self.requests[request_id] = seq
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, params, seq.prompt_token_ids)
-        if self.lora is not None:
-            self.lora.on_add(seq)
+        self.lora.on_add(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -176,7 +178,7 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.lora.before_step(self) if self.lora is not None else []
+        outputs = self.lora.before_step(self)
         sched = self.scheduler.schedule()
         for seq in sched.overflowed:
             outputs.append(self._overflow(seq))
@@ -184,7 +186,7 @@ class LLMEngine:
             return outputs
         self.num_steps += 1
         batch = self.runner.prepare(sched)
-        lora_batch = self.lora.prepare_step(batch.row_slots) if self.lora is not None else None
+        lora_batch = self.lora.prepare_step(batch.row_slots)
         logits = self.runner.execute(batch, lora_batch)
         rows = [
             SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.generator)
@@ -228,8 +230,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> RequestOutput:
         self.scheduler.finish(seq, status)
         seq.times.finished = time.monotonic()
-        if self.lora is not None:
-            self.lora.on_finish(seq)
+        self.lora.on_finish(seq)
         del self.requests[seq.request_id]
         detok = self.detokenizers.pop(seq.request_id)
         return finish_output(seq, detok)
@@ -245,5 +246,5 @@ class LLMEngine:
             num_prefix_queries=bm.num_prefix_queries,
             num_prefix_hits=bm.num_prefix_hits,
             num_steps=self.num_steps,
-            adapters=self.lora.stats() if self.lora is not None else {},
+            adapters=self.lora.stats(),
         )

@@ -81,6 +81,4 @@ class LLM:
         entries = list(adapters)
         if len(entries) != num:
             raise ValueError(f"adapters has {len(entries)} entries for {num} prompts; give one per prompt")
-        if any(a is not None for a in entries) and self.engine.lora is None:
-            raise NotImplementedError("multi-LoRA serving is not enabled in this engine")
         return [None if a is None else self.engine.lora.local_ref(Path(a)) for a in entries]

@@ -1,0 +1,214 @@
+"""Bounded two-tier adapter cache: device slots (what the kernels read) over a host-memory tier.
+
+Tiers: device slots (`max_loras`, fixed tensors, see slots.py) <- host tier (`max_cpu_loras` parsed
+adapters) <- `fetch(ref) -> local dir` (the registry's disk tier in the server, the path offline).
+Loading (fetch, parse, validate, convert) runs on a background worker; the engine thread only
+copies a host-tier adapter into a free slot. Eviction is LRU among slots that no in-flight request
+pins and the operator has not pinned (S-LoRA's unified cache, without paging: slots are fixed-size).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from adapters.format import LoraAdapter, load_adapter
+from adapters.slots import SlotPool
+from adapters.types import AdapterRef, BaseModelShapes
+
+logger = logging.getLogger(__name__)
+
+Fetch = Callable[[AdapterRef], Path]
+
+
+@dataclass(slots=True)
+class CacheStats:
+    num_loads: int = 0
+    load_seconds: float = 0.0
+    num_load_failures: int = 0
+    num_hits: int = 0  # activations that found the adapter already in a slot
+    num_misses: int = 0  # activations that had to copy it into a slot
+    num_evictions: int = 0  # adapters dropped from a slot to make room
+    num_cpu_evictions: int = 0
+
+
+@dataclass(slots=True)
+class _Slot:
+    ref: AdapterRef | None = None
+    num_requests: int = 0  # in-flight requests pinning it
+    last_used: float = 0.0
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: Future[LoraAdapter]
+    started: float = field(default_factory=time.monotonic)
+
+
+class AdapterCache:
+    def __init__(
+        self,
+        base: BaseModelShapes,
+        *,
+        fetch: Fetch,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.base = base
+        self.fetch = fetch
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.dtype = dtype
+        self.device = device
+        self.pool = SlotPool(base, num_slots=max_loras, max_rank=max_lora_rank, dtype=dtype, device=device)
+        self.slots = [_Slot() for _ in range(max_loras)]
+        self.slot_of: dict[str, int] = {}  # ref.id -> device slot
+        self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # ref.id -> parsed adapter, LRU order
+        self.pending: dict[str, _Pending] = {}
+        self.failed: dict[str, str] = {}  # ref.id -> why it cannot be served
+        self.pinned: set[str] = set()  # operator pins
+        self.stats = CacheStats()
+        self._lock = threading.Lock()
+        self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-loader")
+
+    # ---- where an adapter is ------------------------------------------------------------------
+
+    def residency(self) -> dict[str, str]:
+        """ref.id -> "gpu" (in a device slot; "gpu" also on CPU-only hosts) or "cpu" (host tier)."""
+        out = {ref_id: "cpu" for ref_id in self.host}
+        out.update({ref_id: "gpu" for ref_id in self.slot_of})
+        return out
+
+    def error(self, ref: AdapterRef) -> str | None:
+        return self.failed.get(ref.id)
+
+    # ---- background loading -------------------------------------------------------------------
+
+    def request_load(self, ref: AdapterRef) -> None:
+        """Start loading into the host tier unless resident, loading or failed. Never blocks."""
+        if ref.id in self.host or ref.id in self.slot_of or ref.id in self.pending or ref.id in self.failed:
+            return
+        self.pending[ref.id] = _Pending(self._workers.submit(self._load, ref))
+
+    def _load(self, ref: AdapterRef) -> LoraAdapter:
+        directory = self.fetch(ref)
+        return load_adapter(directory, base=self.base, dtype=self.dtype, max_lora_rank=self.max_lora_rank)
+
+    def poll(self) -> list[tuple[AdapterRef | str, str]]:
+        """Moves finished loads into the host tier; returns (ref id, error) for loads that failed."""
+        failures: list[tuple[AdapterRef | str, str]] = []
+        for ref_id, pending in list(self.pending.items()):
+            if not pending.future.done():
+                continue
+            del self.pending[ref_id]
+            exc = pending.future.exception()
+            if exc is not None:
+                self.stats.num_load_failures += 1
+                self.failed[ref_id] = f"adapter {ref_id!r} cannot be served: {exc}"
+                failures.append((ref_id, self.failed[ref_id]))
+                continue
+            adapter = pending.future.result()
+            if self.device.type == "cuda":
+                adapter = _pin_host_memory(adapter)
+            self.stats.num_loads += 1
+            self.stats.load_seconds += time.monotonic() - pending.started
+            self.host[ref_id] = adapter
+            self._trim_host()
+        return failures
+
+    def forget_failure(self, ref: AdapterRef) -> None:
+        self.failed.pop(ref.id, None)
+
+    def _trim_host(self) -> None:
+        # Adapters in a device slot stay in the host tier (they are its source); evict others LRU.
+        while len(self.host) > self.max_cpu_loras:
+            victim = next((r for r in self.host if r not in self.slot_of and r not in self.pinned), None)
+            if victim is None:
+                return
+            del self.host[victim]
+            self.stats.num_cpu_evictions += 1
+
+    # ---- device slots -------------------------------------------------------------------------
+
+    def acquire(self, ref: AdapterRef) -> int | None:
+        """Slot for one new in-flight request of `ref`, copying it in if needed; None = not now."""
+        slot = self.slot_of.get(ref.id)
+        if slot is None:
+            if ref.id not in self.host:
+                self.request_load(ref)
+                return None
+            slot = self._free_slot()
+            if slot is None:
+                return None
+            self.pool.write(slot, self.host[ref.id])
+            self.slots[slot].ref = ref
+            self.slot_of[ref.id] = slot
+            self.stats.num_misses += 1
+        else:
+            self.stats.num_hits += 1
+        self.host.move_to_end(ref.id)
+        state = self.slots[slot]
+        state.num_requests += 1
+        state.last_used = time.monotonic()
+        return slot
+
+    def release(self, slot: int) -> None:
+        """One in-flight request of the adapter in `slot` ended."""
+        state = self.slots[slot]
+        if state.num_requests <= 0:
+            raise RuntimeError(f"adapter slot {slot} released more often than acquired")
+        state.num_requests -= 1
+        state.last_used = time.monotonic()
+
+    def has_free_slot(self) -> bool:
+        return any(self._is_evictable(s) for s in self.slots)
+
+    def _is_evictable(self, state: _Slot) -> bool:
+        return state.ref is None or (state.num_requests == 0 and state.ref.id not in self.pinned)
+
+    def _free_slot(self) -> int | None:
+        candidates = [i for i, s in enumerate(self.slots) if self._is_evictable(s)]
+        if not candidates:
+            return None
+        empty = [i for i in candidates if self.slots[i].ref is None]
+        slot = empty[0] if empty else min(candidates, key=lambda i: self.slots[i].last_used)
+        old = self.slots[slot].ref
+        if old is not None:
+            del self.slot_of[old.id]
+            self.stats.num_evictions += 1
+        self.slots[slot] = _Slot()
+        return slot
+
+    # ---- operator pins ------------------------------------------------------------------------
+
+    def pin(self, ref: AdapterRef) -> None:
+        """Keep `ref` resident: loaded now and never evicted until unpinned."""
+        self.pinned.add(ref.id)
+        self.request_load(ref)
+
+    def unpin(self, ref: AdapterRef) -> None:
+        self.pinned.discard(ref.id)
+
+    def num_in_flight(self) -> int:
+        return sum(s.num_requests for s in self.slots)
+
+    def shutdown(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+
+def _pin_host_memory(adapter: LoraAdapter) -> LoraAdapter:
+    from adapters.format import LoraPair
+
+    weights = {k: LoraPair(p.a.pin_memory(), p.b.pin_memory(), p.scale) for k, p in adapter.weights.items()}
+    return LoraAdapter(rank_by_module=adapter.rank_by_module, max_rank=adapter.max_rank, weights=weights)

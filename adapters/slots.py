@@ -1,0 +1,87 @@
+"""Device-resident adapter slots in exactly the layout `kernels.sgmv.add_lora` takes.
+
+For every layer and packed projection (q/k/v -> qkv_proj, gate/up -> gate_up_proj, o_proj,
+down_proj) the pool holds S stacked tensors `lora_a[s]: [N, R_max, H_in]`, `lora_b[s]:
+[N, H_out_s, R_max]` plus `scales`/`ranks: [S, N]`. Writing an adapter into slot n is the only
+host-to-device work the engine step ever does for adapters. A module an adapter does not cover gets
+rank 0 in that slot, so the kernels read nothing for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adapters.format import LoraAdapter
+from adapters.types import BaseModelShapes
+
+# Packed projection -> the checkpoint modules it stacks, in output-column order.
+PACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+@dataclass(slots=True)
+class ProjectionSlots:
+    lora_a: list[torch.Tensor]  # S x [N, R_max, H_in]
+    lora_b: list[torch.Tensor]  # S x [N, H_out_s, R_max]
+    scales: torch.Tensor  # [S, N] float32
+    ranks: torch.Tensor  # [S, N] int32
+
+
+class SlotPool:
+    def __init__(
+        self,
+        base: BaseModelShapes,
+        *,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.device = device
+        self.layers: list[dict[str, ProjectionSlots]] = []
+        for _ in range(base.num_layers):
+            per_proj = {}
+            for packed, modules in PACKED_PROJECTIONS.items():
+                shapes = [base.module_shape(m) for m in modules]  # (in, out) each
+                per_proj[packed] = ProjectionSlots(
+                    lora_a=[
+                        torch.zeros(num_slots, max_rank, i, dtype=dtype, device=device) for i, _ in shapes
+                    ],
+                    lora_b=[
+                        torch.zeros(num_slots, o, max_rank, dtype=dtype, device=device) for _, o in shapes
+                    ],
+                    scales=torch.zeros(len(modules), num_slots, dtype=torch.float32, device=device),
+                    ranks=torch.zeros(len(modules), num_slots, dtype=torch.int32, device=device),
+                )
+            self.layers.append(per_proj)
+
+    @staticmethod
+    def bytes_per_slot(base: BaseModelShapes, max_rank: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        per_layer = sum(sum(base.module_shape(m)) for mods in PACKED_PROJECTIONS.values() for m in mods)
+        return per_layer * max_rank * base.num_layers * element
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy an adapter's factors into slot `slot` (host -> device; non_blocking from pinned memory)."""
+        for layer, per_proj in enumerate(self.layers):
+            for packed, modules in PACKED_PROJECTIONS.items():
+                proj = per_proj[packed]
+                for s, module in enumerate(modules):
+                    pair = adapter.weights.get((layer, module))
+                    if pair is None:
+                        proj.ranks[s, slot] = 0
+                        proj.scales[s, slot] = 0.0
+                        continue
+                    rank = pair.a.shape[0]
+                    proj.lora_a[s][slot, :rank].copy_(pair.a, non_blocking=True)
+                    proj.lora_b[s][slot, :, :rank].copy_(pair.b, non_blocking=True)
+                    proj.ranks[s, slot] = rank
+                    proj.scales[s, slot] = pair.scale

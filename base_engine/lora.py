@@ -1,0 +1,148 @@
+"""Multi-LoRA in the engine: per-step adapter slots for the flattened batch, load failures, pins.
+
+The adapter cache (adapters/cache.py) owns residency; this module ties it to requests: a request
+holds (pins) its adapter's device slot from admission to finish, and every LoRA-targeted projection
+of the step adds each row's own adapter delta with one `kernels.sgmv.add_lora` call per projection,
+all sharing one `SgmvMeta` built once per step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from adapters.cache import AdapterCache, Fetch
+from adapters.slots import SlotPool
+from adapters.types import AdapterRef
+from base_engine.lora_policy import LoraAdmissionPolicy
+from base_engine.outputs import RequestOutput
+from base_engine.sequence import Sequence, SequenceStatus
+from kernels.sgmv import SgmvMeta, add_lora, build_meta
+
+if TYPE_CHECKING:
+    from base_engine.engine import LLMEngine
+
+
+def local_fetch(ref: AdapterRef) -> Path:
+    """Offline: the ref's source is the adapter directory itself."""
+    return Path(ref.source)
+
+
+class LoraStepBatch:
+    """`model.LoraBatch` for one step: token -> slot rows and the shared kernel metadata."""
+
+    def __init__(self, pool: SlotPool, token_slots: torch.Tensor, meta: SgmvMeta) -> None:
+        self.pool = pool
+        self.token_slots = token_slots
+        self.meta = meta
+
+    def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
+        slots = self.pool.layers[layer][projection]
+        add_lora(y, x, slots.lora_a, slots.lora_b, self.token_slots, scales=slots.scales, ranks=slots.ranks,
+                 meta=self.meta)  # fmt: skip
+
+
+class LoraManager:
+    def __init__(self, cache: AdapterCache, policy: LoraAdmissionPolicy) -> None:
+        self.cache = cache
+        self.policy = policy
+
+    @staticmethod
+    def local_ref(path: Path) -> AdapterRef:
+        """An offline adapter directory as a ref: identity = resolved path + weights hash."""
+        path = path.resolve()
+        weights = path / "adapter_model.safetensors"
+        digest = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else "missing"
+        return AdapterRef(id=str(path), sha256=digest, source=str(path), name=path.name)
+
+    def on_add(self, seq: Sequence) -> None:
+        if seq.adapter is not None:
+            self.cache.request_load(seq.adapter)  # start fetching now, off the step
+
+    def before_step(self, engine: LLMEngine) -> list[RequestOutput]:
+        """Collect finished background loads; fail the waiting requests whose adapter failed."""
+        self.cache.poll()
+        outputs: list[RequestOutput] = []
+        for seq in list(engine.scheduler.waiting):
+            if seq.adapter is None or seq.adapter_slot >= 0:
+                continue
+            error = self.cache.error(seq.adapter)
+            if error is not None:
+                out = engine.fail(seq.request_id, error)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
+
+    def prepare_step(self, row_slots: list[int]) -> LoraStepBatch | None:
+        if all(s < 0 for s in row_slots):
+            return None  # a base-only step never touches the LoRA path
+        token_slots = torch.tensor(row_slots, dtype=torch.long, device=self.cache.device)
+        meta = build_meta(token_slots, self.cache.pool.num_slots)
+        return LoraStepBatch(self.cache.pool, token_slots, meta)
+
+    def on_finish(self, seq: Sequence) -> None:
+        if seq.adapter_slot >= 0:
+            self.cache.release(seq.adapter_slot)
+            seq.adapter_slot = -1
+
+    def pin(self, ref: AdapterRef) -> None:
+        self.cache.forget_failure(ref)
+        self.cache.pin(ref)
+
+    def unpin(self, ref: AdapterRef) -> None:
+        self.cache.unpin(ref)
+
+    def stats(self) -> dict[str, object]:
+        s = self.cache.stats
+        per_adapter: dict[str, dict[str, int]] = {}
+        for seq_list, key in (
+            (self.policy.running_view(), "running"),
+            (self.policy.waiting_view(), "waiting"),
+        ):
+            for seq in seq_list:
+                if seq.adapter is not None:
+                    entry = per_adapter.setdefault(seq.adapter.id, {"running": 0, "waiting": 0})
+                    entry[key] += 1
+        residency = self.cache.residency()
+        return {
+            "num_slots": self.cache.pool.num_slots,
+            "num_gpu": sum(1 for t in residency.values() if t == "gpu"),
+            "num_cpu": len(self.cache.host),
+            "residency": residency,
+            "pinned": sorted(self.cache.pinned),
+            "loads": s.num_loads,
+            "load_seconds": s.load_seconds,
+            "load_failures": s.num_load_failures,
+            "hits": s.num_hits,
+            "misses": s.num_misses,
+            "evictions": s.num_evictions,
+            "cpu_evictions": s.num_cpu_evictions,
+            "per_adapter": per_adapter,
+        }
+
+
+def make_lora_manager(engine: LLMEngine, fetch: Fetch | None) -> LoraManager:
+    cfg = engine.config
+    num_slots = cfg.max_loras
+    if engine.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(engine.device)
+        per_slot = SlotPool.bytes_per_slot(engine.model_config.base_shapes(), cfg.max_lora_rank, engine.dtype)
+        num_slots = max(1, min(num_slots, int(free * cfg.lora_memory_fraction) // per_slot))
+    cache = AdapterCache(
+        engine.model_config.base_shapes(),
+        fetch=fetch or local_fetch,
+        max_loras=num_slots,
+        max_lora_rank=cfg.max_lora_rank,
+        max_cpu_loras=cfg.max_cpu_loras,
+        dtype=engine.dtype,
+        device=engine.device,
+    )
+    policy = LoraAdmissionPolicy(cache, engine.scheduler, max_wait_s=cfg.max_wait_s)
+    engine.scheduler.policy = policy
+    return LoraManager(cache, policy)
+
+
+__all__ = ["LoraManager", "LoraStepBatch", "SequenceStatus", "make_lora_manager"]

@@ -1,0 +1,90 @@
+"""Admission across adapters and tenants: adapter residency, bounded waiting, VTC fairness.
+
+- A request starts only once its adapter holds a device slot (so at most `max_loras` distinct
+  adapters run in any step); while its adapter loads in the background it waits and the others run.
+- Tenants share the token budget by the Virtual Token Counter ("Fairness in Serving Large Language
+  Models", Sheng et al., OSDI 2024): the waiting request of the tenant with the smallest counter goes
+  first; a tenant returning from idle is lifted to the smallest active counter so it cannot bank credit.
+- Bounded waiting: a request older than `max_wait_s` goes before everyone, and while it cannot get a
+  slot no request may take a free slot for another adapter, so slots drain to it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from adapters.cache import AdapterCache
+from base_engine.scheduler import AdmissionPolicy, SchedulerOutput
+from base_engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from base_engine.scheduler import Scheduler
+
+PROMPT_WEIGHT = 1.0  # VTC cost of a computed prompt token
+OUTPUT_WEIGHT = 2.0  # ... and of a generated token (decode is the costlier phase per token)
+
+
+class LoraAdmissionPolicy(AdmissionPolicy):
+    def __init__(self, cache: AdapterCache, scheduler: Scheduler, *, max_wait_s: float) -> None:
+        self.cache = cache
+        self.scheduler = scheduler
+        self.max_wait_s = max_wait_s
+        self.counters: dict[str | None, float] = {}
+        self._overdue_blocked: Sequence | None = None
+        self._active: set[str | None] = set()
+
+    def running_view(self) -> list[Sequence]:
+        return list(self.scheduler.running)
+
+    def waiting_view(self) -> list[Sequence]:
+        return list(self.scheduler.waiting)
+
+    def order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+        waiting = list(waiting)
+        self._lift_returning_tenants(waiting)
+        now = time.monotonic()
+        self._overdue_blocked = None
+
+        def key(seq: Sequence) -> tuple[bool, float, float]:
+            is_overdue = now - seq.times.arrival > self.max_wait_s
+            return (
+                not is_overdue,
+                0.0 if is_overdue else self.counters.get(seq.tenant_id, 0.0),
+                seq.times.arrival,
+            )
+
+        return sorted(waiting, key=key)
+
+    def _lift_returning_tenants(self, waiting: list[Sequence]) -> None:
+        active = {s.tenant_id for s in self.scheduler.running} | {s.tenant_id for s in waiting}
+        staying = [self.counters[t] for t in active & self._active if t in self.counters]
+        floor = min(staying) if staying else 0.0
+        for tenant in active - self._active:  # back from idle (or new): no banked credit
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        self._active = active
+
+    def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        ref = seq.adapter
+        if ref is None or seq.adapter_slot >= 0:
+            return True
+        is_resident = ref.id in self.cache.slot_of
+        blocked = self._overdue_blocked
+        if blocked is not None and blocked is not seq and not is_resident:
+            return False  # free slots are kept for the overdue request
+        slot = self.cache.acquire(ref)
+        if slot is None:
+            if blocked is None and time.monotonic() - seq.times.arrival > self.max_wait_s:
+                self._overdue_blocked = seq
+            return False
+        seq.adapter_slot = slot
+        return True
+
+    def on_scheduled(self, output: SchedulerOutput) -> None:
+        for item in output.scheduled:
+            seq = item.seq
+            prompt_left = max(0, seq.num_prompt_tokens - item.start)
+            num_prompt = min(item.num_new_tokens, prompt_left)
+            cost = PROMPT_WEIGHT * num_prompt + OUTPUT_WEIGHT * int(item.is_sampled and num_prompt == 0)
+            self.counters[seq.tenant_id] = self.counters.get(seq.tenant_id, 0.0) + cost

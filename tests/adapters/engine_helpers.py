@@ -1,0 +1,39 @@
+"""PEFT adapters built on a tiny checkpoint directory, and PEFT-wrapped HF models as the oracle."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(model_dir: Path, out: Path, *, seed: int, zero_b: bool = False, **lora_kwargs) -> Path:
+    """Save a PEFT LoRA adapter for the checkpoint in `model_dir` (random A and B unless zero_b)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(init_lora_weights=zero_b, **lora_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(base, config)
+    if not zero_b:
+        with torch.no_grad():  # PEFT's random init is small; make the deltas matter for the tokens
+            for name, param in model.named_parameters():
+                if "lora_B" in name or "lora_A" in name:
+                    param.mul_(4.0)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_model(model_dir: Path, adapter_dir: Path | None):
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    if adapter_dir is None:
+        return base.eval()
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
