@@ -77,7 +77,7 @@ class AdapterCache:
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # ref.id -> parsed adapter, LRU order
         self.pending: dict[str, _Pending] = {}
         self.failed: dict[str, str] = {}  # ref.id -> why it cannot be served
-        self.pinned: set[str] = set()  # operator pins
+        self.pinned: dict[str, AdapterRef] = {}  # operator pins, by ref.id
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-loader")
@@ -194,11 +194,21 @@ class AdapterCache:
 
     def pin(self, ref: AdapterRef) -> None:
         """Keep `ref` resident: loaded now and never evicted until unpinned."""
-        self.pinned.add(ref.id)
+        self.pinned[ref.id] = ref
         self.request_load(ref)
+        self.place_pinned()
 
     def unpin(self, ref: AdapterRef) -> None:
-        self.pinned.discard(ref.id)
+        self.pinned.pop(ref.id, None)
+
+    def place_pinned(self) -> None:
+        """Move pinned adapters that reached the host tier into device slots while slots are free."""
+        for ref_id, ref in self.pinned.items():
+            if ref_id in self.host and ref_id not in self.slot_of:
+                slot = self.acquire(ref)
+                if slot is None:
+                    return
+                self.release(slot)
 
     def num_in_flight(self) -> int:
         return sum(s.num_requests for s in self.slots)

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from adapters.types import AdapterRef
 from base_engine.engine import LLMEngine
@@ -20,6 +21,18 @@ from base_engine.outputs import EngineStats, RequestOutput
 from base_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _set_result(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
 
 
 @dataclass(slots=True)
@@ -81,6 +94,34 @@ class AsyncEngine:
             if not finished:
                 self.abort(request.request_id)
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs fn(engine) on the engine thread between steps and returns its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._submit(run)
+        return await future
+
+    async def pin_adapter(self, ref: AdapterRef) -> None:
+        """Operator pin: load `ref` now and keep it resident until unpinned."""
+        await self.call(lambda engine: engine.lora.pin(ref))
+
+    async def unpin_adapter(self, ref: AdapterRef) -> None:
+        await self.call(lambda engine: engine.lora.unpin(ref))
+
+    def adapter_residency(self) -> dict[str, str]:
+        """ref.id -> "gpu" | "cpu", as of the last step (absent: not loaded in this engine)."""
+        residency = self._stats.adapters.get("residency", {})
+        return dict(residency) if isinstance(residency, dict) else {}
+
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._deliver_all([self.engine.abort(request_id)]))
 
@@ -107,10 +148,12 @@ class AsyncEngine:
             while not self._commands.empty():
                 self._commands.get()()
             if not self.engine.has_unfinished:
+                self.engine.lora.housekeeping()
                 self._stats = self.engine.stats()
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
                 continue
+            num_steps = self.engine.num_steps
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
@@ -120,6 +163,10 @@ class AsyncEngine:
                 ]
             self._deliver_all(outputs)
             self._stats = self.engine.stats()
+            if self.engine.num_steps == num_steps and not outputs:
+                # Nothing could run (e.g. adapters still loading): wait for a command or a moment.
+                self._wake.wait(0.005)
+                self._wake.clear()
 
     def _deliver_all(self, outputs: list[RequestOutput | None]) -> None:
         for out in outputs:

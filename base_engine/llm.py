@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -59,9 +60,13 @@ class LLM:
             self.engine.add_request(rid, ids, p, adapter=ref)
         finished: dict[str, RequestOutput] = {}
         while len(finished) < num:
-            for out in self.engine.step():
+            num_steps = self.engine.num_steps
+            outputs = self.engine.step()
+            for out in outputs:
                 if out.finished:
                     finished[out.request_id] = out
+            if self.engine.num_steps == num_steps and not outputs:
+                time.sleep(0.001)  # nothing runnable yet: adapters are loading in the background
         return [finished[rid] for rid in request_ids]
 
     @staticmethod

@@ -62,9 +62,14 @@ class LoraManager:
         if seq.adapter is not None:
             self.cache.request_load(seq.adapter)  # start fetching now, off the step
 
-    def before_step(self, engine: LLMEngine) -> list[RequestOutput]:
-        """Collect finished background loads; fail the waiting requests whose adapter failed."""
+    def housekeeping(self) -> None:
+        """Collect finished background loads and place pinned adapters (also while the engine idles)."""
         self.cache.poll()
+        self.cache.place_pinned()
+
+    def before_step(self, engine: LLMEngine) -> list[RequestOutput]:
+        """Housekeeping, then fail the waiting requests whose adapter failed to load."""
+        self.housekeeping()
         outputs: list[RequestOutput] = []
         for seq in list(engine.scheduler.waiting):
             if seq.adapter is None or seq.adapter_slot >= 0:

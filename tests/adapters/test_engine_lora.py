@@ -146,3 +146,36 @@ def test_rank_above_limit_is_refused(tiny_llama_dir, adapters) -> None:
     llm = LLM(tiny_llama_dir, num_kv_blocks=64, max_loras=2, max_lora_rank=8)
     out = llm.generate(["hello"], GREEDY, adapters=[adapters["all16_rs"]])[0]
     assert out.finish_reason == "error" and "rank" in out.error
+
+
+def test_operator_pin_keeps_adapter_on_device(tiny_llama_dir, adapters) -> None:
+    import asyncio
+    import time
+
+    from base_engine import AsyncEngine, EngineConfig, LLMEngine
+
+    engine = LLMEngine(tiny_llama_dir, config=EngineConfig(num_kv_blocks=64, max_loras=2, max_lora_rank=16))
+    lora = engine.lora
+    pinned_ref = lora.local_ref(adapters["qv8"])
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    try:
+        asyncio.run(async_engine.pin_adapter(pinned_ref))
+        deadline = time.monotonic() + 30
+        while async_engine.adapter_residency().get(pinned_ref.id) != "gpu" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert async_engine.adapter_residency().get(pinned_ref.id) == "gpu"
+    finally:
+        async_engine.shutdown()
+    # Two other adapters through the one remaining slot: the pinned one is never evicted.
+    llm_outs = []
+    for name in ("all16_rs", "patterns", "all16_rs"):
+        engine.add_request(
+            name + str(len(llm_outs)), [5, 6, 7], GREEDY, adapter=lora.local_ref(adapters[name])
+        )
+        while engine.has_unfinished:
+            llm_outs += [o for o in engine.step() if o.finished]
+    assert all(o.finish_reason == "length" for o in llm_outs)
+    assert lora.cache.residency()[pinned_ref.id] == "gpu" and lora.cache.stats.num_evictions >= 1
+    lora.unpin(pinned_ref)
+    assert pinned_ref.id not in lora.cache.pinned
