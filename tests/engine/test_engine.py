@@ -148,3 +148,13 @@ def test_unknown_architecture_and_missing_tensor(tiny_llama_dir, tmp_path) -> No
     save_file(weights, missing / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         LLM(missing)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_mostly_agrees(tiny_llama_dir, dtype) -> None:
+    prompts = random_prompts(3, 500, 4, 16, seed=14)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    full = LLM(tiny_llama_dir, num_kv_blocks=64).generate(prompts, params)
+    half = LLM(tiny_llama_dir, num_kv_blocks=64, dtype=dtype).generate(prompts, params)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 4 for o in half)
+    assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(full, half, strict=True)) >= 2
