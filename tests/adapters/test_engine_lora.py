@@ -179,3 +179,29 @@ def test_operator_pin_keeps_adapter_on_device(tiny_llama_dir, adapters) -> None:
     assert lora.cache.residency()[pinned_ref.id] == "gpu" and lora.cache.stats.num_evictions >= 1
     lora.unpin(pinned_ref)
     assert pinned_ref.id not in lora.cache.pinned
+
+
+def test_slow_adapter_load_does_not_stall_other_requests(tiny_llama_dir, adapters) -> None:
+    import threading
+
+    from base_engine import EngineConfig, LLMEngine
+    from base_engine.lora import local_fetch
+
+    release = threading.Event()
+
+    def slow_fetch(ref):
+        release.wait(30)  # the "download" finishes only when the test says so
+        return local_fetch(ref)
+
+    engine = LLMEngine(tiny_llama_dir, config=EngineConfig(num_kv_blocks=64, max_lora_rank=16), fetch=slow_fetch)
+    engine.add_request("lora", [5, 6, 7], GREEDY, adapter=engine.lora.local_ref(adapters["qv8"]))
+    engine.add_request("base", [8, 9, 10], GREEDY)
+    finished = {}
+    for _ in range(MAX_NEW + 2):
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "base" in finished and finished["base"].finish_reason == "length"
+    assert engine.requests["lora"].num_output_tokens == 0, "the adapter request waits while its adapter loads"
+    release.set()
+    while engine.has_unfinished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["lora"].finish_reason == "length" and len(finished["lora"].token_ids) == MAX_NEW

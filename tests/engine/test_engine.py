@@ -158,3 +158,22 @@ def test_half_precision_runs_and_mostly_agrees(tiny_llama_dir, dtype) -> None:
     half = LLM(tiny_llama_dir, num_kv_blocks=64, dtype=dtype).generate(prompts, params)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 4 for o in half)
     assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(full, half, strict=True)) >= 2
+
+
+def test_vtc_lets_a_light_tenant_overtake_a_heavy_backlog(tiny_llama_dir) -> None:
+    from base_engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(tiny_llama_dir, config=EngineConfig(num_kv_blocks=64, max_num_seqs=2, max_wait_s=60))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = random_prompts(8, 500, 4, 8, seed=15)
+    for i in range(6):
+        engine.add_request(f"A{i}", prompts[i], params, tenant_id="A")
+    engine.step()
+    engine.step()
+    for i in range(2):
+        engine.add_request(f"B{i}", prompts[6 + i], params, tenant_id="B")
+    order = []
+    while engine.has_unfinished:
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order.index("B1") < order.index("A4"), order  # plain FCFS would finish every A first
+    assert order.index("B0") < order.index("A3"), order
