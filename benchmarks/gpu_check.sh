@@ -21,11 +21,11 @@ export TRITON_INTERPRET=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "== kernel grid: tests/kernels/test_gpu.py (real compilation) =="
 # --noconftest: the suite's conftest loads fixtures (Postgres, S3) these kernel tests do not need
-timeout 240 "$PY" -m pytest -q -m gpu --noconftest -p no:cacheprovider tests/kernels/test_gpu.py "$@"
+timeout 180 "$PY" -m pytest -q -m gpu --noconftest -p no:cacheprovider tests/kernels/test_gpu.py "$@"
 tests_rc=$?
 
 echo "== benchmark: benchmarks/sgmv.py --json =="
-bench_json="$(timeout 150 "$PY" benchmarks/sgmv.py --json --repeats 5)"
+bench_json="$(timeout 100 "$PY" benchmarks/sgmv.py --json --repeats 5)"
 bench_rc=$?
 echo "$bench_json"
 

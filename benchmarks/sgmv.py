@@ -9,7 +9,7 @@ the same run: a large tensor copy (bytes read + written) timed just before every
 `distinct_bw_fraction` is achieved / measured bandwidth at T=32 with 32 distinct adapters, over the three
 projections together (target >= 0.5).
 
-Usage: python benchmarks/sgmv.py --json [--backends torch,triton] [--repeats 7] [--threads N]
+Usage: python benchmarks/sgmv.py --json [--backends torch,triton] [--repeats 7] [--threads 1]
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class Bandwidth:
         self.threads = threads  # the copy always gets every core: it stands for the machine
         self.src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
         self.dst = torch.empty_like(self.src)
+        self.flush_elems = min(self.src.numel(), (256 << 20) // 4)  # > any L2/L3 here
         self.samples: list[float] = []
 
     def sample(self) -> float:
@@ -74,6 +75,10 @@ class Bandwidth:
         seconds = _seconds(lambda: self.dst.copy_(self.src), self.device)
         torch.set_num_threads(call_threads)
         self.samples.append(2 * self.src.numel() * 4 / seconds)
+        # read (not write) a cache's worth of memory: the copy's dirty lines get written back now,
+        # not during the measured call, which then starts from clean, cold caches
+        self.src[: self.flush_elems].sum()
+        _sync(self.device)
         return self.samples[-1]
 
 
@@ -156,9 +161,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line (the only output format)")
     parser.add_argument("--backends", default="", help="comma list; default torch, plus triton on CUDA")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument(
-        "--threads", type=int, default=0, help="intra-op threads for add_lora (0: torch default)"
-    )
+    # One thread by default: the twin is a chain of per-adapter GEMVs that one core keeps memory-bound,
+    # while 2 OpenMP threads on a shared 2-vCPU machine stall at every barrier (identical-adapter GEMMs
+    # were seen 10-30x slower). The copy that stands for the machine's bandwidth always gets every core.
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads for add_lora; 0: torch's")
     args = parser.parse_args()
     copy_threads = torch.get_num_threads()
     if args.threads:
