@@ -41,6 +41,16 @@ class LoraStepBatch:
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         slots = self.pool.layers[layer][projection]
+        if y.device.type == "cpu":
+            # Many small matmuls: on a few shared cores, extra OpenMP threads only add barrier waits.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                add_lora(y, x, slots.lora_a, slots.lora_b, self.token_slots, scales=slots.scales,
+                         ranks=slots.ranks, meta=self.meta)  # fmt: skip
+            finally:
+                torch.set_num_threads(threads)
+            return
         add_lora(y, x, slots.lora_a, slots.lora_b, self.token_slots, scales=slots.scales, ranks=slots.ranks,
                  meta=self.meta)  # fmt: skip
 
