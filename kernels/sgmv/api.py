@@ -8,7 +8,6 @@ kernels (`triton_ops`) or their PyTorch twin (`torch_ops`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -33,12 +32,19 @@ Backend = Literal["auto", "triton", "torch"]
 BACKENDS = ("auto", "triton", "torch")
 
 
+def _triton_interprets() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1, read by Triton itself)."""
+    import triton.knobs
+
+    return bool(triton.knobs.runtime.interpret)
+
+
 def _resolve_backend(backend: str, x: Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}, expected one of {BACKENDS}")
     if backend == "auto":
         return "triton" if x.is_cuda else "torch"
-    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and not x.is_cuda and not _triton_interprets():
         raise ValueError(f"backend='triton' needs CUDA tensors (x is on {x.device}) or TRITON_INTERPRET=1")
     return backend
 
