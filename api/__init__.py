@@ -1,0 +1,1 @@
+"""HTTP serving layer: OpenAI-compatible endpoints, adapter uploads, admin API, CLI (see README.md)."""

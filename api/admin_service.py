@@ -1,0 +1,169 @@
+"""Admin service functions: tenants, keys, every tenant's adapters, GPU-cache pins, audit, engine stats.
+
+Each management action is recorded in the audit log with actor "admin". Suspending or deleting a
+tenant takes effect at once: keys and adapters are checked against the tenant's status on every
+request (registry), so nothing is cached here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from api.adapter_service import adapter_views
+from api.errors import APIError, from_registry_error
+from api.state import AppState
+from registry.adapters import list_adapters, resolve_adapter
+from registry.audit import list_audit, record_audit
+from registry.errors import RegistryError
+from registry.keys import issue_key, list_keys, revoke_key
+from registry.models import TenantStatus
+from registry.tenants import create_tenant, get_tenant, list_tenants, set_tenant_quotas, set_tenant_status
+from registry.types import AuditInfo, KeyInfo, TenantInfo, TenantQuotas
+
+ADMIN = "admin"
+
+
+def _ts(value: Any) -> int | None:
+    return int(value.timestamp()) if value is not None else None
+
+
+def tenant_view(info: TenantInfo) -> dict[str, Any]:
+    return {
+        "object": "tenant",
+        "id": info.id,
+        "name": info.name,
+        "status": info.status,
+        "created_at": _ts(info.created_at),
+        "quotas": dataclasses.asdict(info.quotas),
+    }
+
+
+def key_view(info: KeyInfo) -> dict[str, Any]:
+    return {
+        "object": "api_key",
+        "prefix": info.prefix,
+        "tenant_id": info.tenant_id,
+        "label": info.label,
+        "created_at": _ts(info.created_at),
+        "revoked_at": _ts(info.revoked_at),
+    }
+
+
+def audit_view(info: AuditInfo) -> dict[str, Any]:
+    return {
+        "object": "audit_entry",
+        "id": info.id,
+        "created_at": _ts(info.created_at),
+        "actor": info.actor,
+        "action": info.action,
+        "tenant_id": info.tenant_id,
+        "target": info.target,
+        "detail": info.detail,
+    }
+
+
+def _registry_call(fn: Any, session: Session, **kwargs: Any) -> Any:
+    try:
+        return fn(session, **kwargs)
+    except RegistryError as exc:
+        raise from_registry_error(exc) from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from None
+
+
+def create(session: Session, *, name: str, quotas: TenantQuotas | None) -> dict[str, Any]:
+    info, api_key = _registry_call(create_tenant, session, name=name, quotas=quotas)
+    record_audit(session, actor=ADMIN, action="tenant.create", tenant_id=info.id, target=name)
+    return {**tenant_view(info), "api_key": api_key}
+
+
+def tenants(session: Session) -> list[dict[str, Any]]:
+    return [tenant_view(t) for t in list_tenants(session)]
+
+
+def tenant(session: Session, *, tenant_id: str) -> dict[str, Any]:
+    return tenant_view(_registry_call(get_tenant, session, tenant_id=tenant_id))
+
+
+def set_status(session: Session, *, tenant_id: str, status: TenantStatus) -> dict[str, Any]:
+    info = _registry_call(set_tenant_status, session, tenant_id=tenant_id, status=status)
+    record_audit(session, actor=ADMIN, action=f"tenant.{status.value}", tenant_id=tenant_id, target=info.name)
+    return tenant_view(info)
+
+
+def set_quotas(session: Session, *, tenant_id: str, quotas: TenantQuotas) -> dict[str, Any]:
+    info = _registry_call(set_tenant_quotas, session, tenant_id=tenant_id, quotas=quotas)
+    detail = dataclasses.asdict(quotas)
+    record_audit(
+        session, actor=ADMIN, action="tenant.quotas", tenant_id=tenant_id, target=info.name, detail=detail
+    )
+    return tenant_view(info)
+
+
+def new_key(session: Session, *, tenant_id: str, label: str | None) -> dict[str, Any]:
+    info, api_key = _registry_call(issue_key, session, tenant_id=tenant_id, label=label)
+    record_audit(session, actor=ADMIN, action="key.issue", tenant_id=tenant_id, target=info.prefix)
+    return {**key_view(info), "api_key": api_key}
+
+
+def keys(session: Session, *, tenant_id: str) -> list[dict[str, Any]]:
+    _registry_call(get_tenant, session, tenant_id=tenant_id)
+    return [key_view(k) for k in list_keys(session, tenant_id=tenant_id)]
+
+
+def revoke(session: Session, *, tenant_id: str, prefix: str) -> dict[str, Any]:
+    info = _registry_call(revoke_key, session, tenant_id=tenant_id, prefix=prefix)
+    record_audit(session, actor=ADMIN, action="key.revoke", tenant_id=tenant_id, target=prefix)
+    return key_view(info)
+
+
+def all_adapters(state: AppState, session: Session, *, tenant_id: str | None) -> list[dict[str, Any]]:
+    versions = list_adapters(session, tenant_id=tenant_id)
+    names = {t.id: t.name for t in list_tenants(session, include_deleted=True)}
+    views = adapter_views(state, versions)
+    owners = list(dict.fromkeys((v.tenant_id, v.name) for v in versions))
+    for view, (owner, _) in zip(views, owners, strict=True):
+        view["tenant_id"], view["tenant_name"] = owner, names.get(owner)
+    return views
+
+
+async def pin(
+    state: AppState, session: Session, *, tenant_id: str, name: str, version: int | None, is_pin: bool
+) -> dict[str, Any]:
+    model = name if version is None else f"{name}@{version}"
+    info = await run_in_threadpool(_registry_call, resolve_adapter, session, tenant_id=tenant_id, model=model)
+    try:
+        await (state.engine.pin_adapter if is_pin else state.engine.unpin_adapter)(info.ref)
+    except (ValueError, RegistryError) as exc:
+        raise APIError(
+            409, f"cannot {'pin' if is_pin else 'unpin'} {model}: {exc}", code="pin_failed"
+        ) from None
+    target = f"{info.name}@{info.version}"
+    action = "adapter.pin" if is_pin else "adapter.unpin"
+    await run_in_threadpool(
+        record_audit, session, actor=ADMIN, action=action, tenant_id=tenant_id, target=target
+    )
+    return {"object": "adapter.pin", "id": target, "pinned": is_pin, "residency": state.residency(info)}
+
+
+def audit(
+    session: Session, *, tenant_id: str | None, limit: int, before_id: int | None
+) -> list[dict[str, Any]]:
+    entries = _registry_call(list_audit, session, tenant_id=tenant_id, limit=limit, before_id=before_id)
+    return [audit_view(e) for e in entries]
+
+
+def engine_stats(state: AppState) -> dict[str, Any]:
+    stats = state.engine.stats()
+    return {
+        "object": "engine.stats",
+        **dataclasses.asdict(stats),
+        "kv_cache_usage": stats.kv_cache_usage,
+        "num_in_flight": state.admission.num_in_flight,
+        "max_in_flight": state.admission.max_in_flight,
+        "is_draining": state.admission.is_draining,
+    }

@@ -1,0 +1,148 @@
+"""Admission control: a bounded number of engine requests in flight, and the drain switch.
+
+Requests beyond one full batch (`max_num_seqs`) plus the waiting queue (`max_queue_len`) are refused
+at once with 503 + Retry-After instead of queueing without bound; once draining (SIGTERM) every new
+request is refused the same way. `InFlight` maps engine request ids to their `RequestContext`, so
+the drain can abort what is left, and reports each HTTP request once, when its last engine request
+has ended, to the `on_request_finished` hooks (metering).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from api.context import RequestContext, Usage
+from api.errors import APIError
+from base_engine.async_engine import EngineRequest
+from base_engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+Release = Callable[[Usage | None], None]  # called once when the request ends, with its usage if known
+RequestFinished = Callable[[RequestContext, list[RequestOutput]], None]
+
+
+class Ticket:
+    """Held while a request's engine requests are in flight; `release` is idempotent."""
+
+    def __init__(self, admission: Admission, num: int) -> None:
+        self._admission = admission
+        self.num = num
+        self.on_release: list[Release] = []  # e.g. quota refunds
+        self._released = False
+
+    def release(self, usage: Usage | None = None) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._admission._release(self.num)
+        for callback in self.on_release:
+            try:
+                callback(usage)
+            except Exception:  # noqa: BLE001 - a failing hook must not leak the admission slot
+                logger.exception("release hook %r failed", callback)
+
+
+class Admission:
+    def __init__(self, max_in_flight: int) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.max_in_flight = max_in_flight
+        self.num_in_flight = 0
+        self.is_draining = False
+        self._lock = threading.Lock()
+
+    def acquire(self, num: int) -> Ticket:
+        """Admit `num` engine requests or raise 503 (overloaded, or shutting down)."""
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        with self._lock:
+            if self.is_draining:
+                raise APIError(
+                    503, "The server is shutting down; retry later.", code="shutting_down", headers=retry
+                )
+            if num > self.max_in_flight:
+                raise APIError(
+                    400,
+                    f"request needs {num} engine requests (prompts x n), more than this server admits "
+                    f"at once ({self.max_in_flight})",
+                    param="n",
+                    code="invalid_value",
+                )
+            if self.num_in_flight + num > self.max_in_flight:
+                raise APIError(
+                    503,
+                    f"The server is overloaded ({self.num_in_flight} requests in flight, limit "
+                    f"{self.max_in_flight}); retry later.",
+                    code="overloaded",
+                    headers=retry,
+                )
+            self.num_in_flight += num
+        return Ticket(self, num)
+
+    def _release(self, num: int) -> None:
+        with self._lock:
+            self.num_in_flight -= num
+
+
+class InFlight:
+    """Contexts of the requests now in the engine, by engine request id. Thread-safe.
+
+    An engine request leaves when the engine reports it finished (`on_engine_finished`, installed
+    last in `AsyncEngine.on_finished`), or through `discard` when it was never submitted (it then
+    counts as aborted with no tokens). `on_request_finished` hooks run once per HTTP request, on the
+    engine thread (or the caller's, for `discard`), with the final outputs in choice order.
+    """
+
+    def __init__(self) -> None:
+        self.on_request_finished: list[RequestFinished] = []
+        self._by_engine_id: dict[str, RequestContext] = {}
+        self._finals: dict[str, dict[str, RequestOutput]] = {}  # ctx.request_id -> engine id -> final
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._by_engine_id)
+
+    def add(self, ctx: RequestContext) -> None:
+        with self._lock:
+            self._finals[ctx.request_id] = {}
+            for eid in ctx.engine_request_ids:
+                self._by_engine_id[eid] = ctx
+
+    def get(self, engine_request_id: str) -> RequestContext | None:
+        with self._lock:
+            return self._by_engine_id.get(engine_request_id)
+
+    def discard(self, request: EngineRequest) -> None:
+        never_ran = RequestOutput(request.request_id, request.prompt_token_ids, [], "", finish_reason="abort")
+        self.on_engine_finished(never_ran)
+
+    def on_engine_finished(self, out: RequestOutput) -> None:
+        with self._lock:
+            ctx = self._by_engine_id.pop(out.request_id, None)
+            if ctx is None:
+                return
+            finals = self._finals[ctx.request_id]
+            finals[out.request_id] = out
+            if len(finals) < len(ctx.engine_request_ids):
+                return
+            del self._finals[ctx.request_id]
+        ordered = [finals[eid] for eid in ctx.engine_request_ids]
+        for hook in self.on_request_finished:
+            try:
+                hook(ctx, ordered)
+            except Exception:  # noqa: BLE001 - runs on the engine thread: never let it raise
+                logger.exception("request-finished hook %r failed for %s", hook, ctx.request_id)
+
+    def abort_all(self, reason: str, abort: Callable[[str], None]) -> int:
+        """Abort every in-flight engine request with `abort(engine_request_id)`; returns how many."""
+        with self._lock:
+            items = list(self._by_engine_id.items())
+        for eid, ctx in items:
+            ctx.abort_reason = ctx.abort_reason or reason
+            abort(eid)
+        if items:
+            logger.info("aborted %d in-flight engine requests (%s)", len(items), reason)
+        return len(items)

@@ -1,0 +1,59 @@
+"""The FastAPI application: routes, OpenAI-shaped errors, and the engine's life cycle.
+
+`create_app(state)` takes a ready `AppState` (api/bootstrap.py builds one from settings; tests may
+build their own). The lifespan starts the engine thread and, on shutdown, runs the drain hooks
+(flush usage) and stops the engine. The SIGTERM drain itself lives in api/server.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI
+
+from api.errors import install_error_handlers
+from api.routes import adapters, admin, health, openai
+from api.state import AppState
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Installed last, so every other on_finished callback (metering) still finds the context.
+        state.engine.on_finished.append(state.inflight.on_engine_finished)
+        state.engine.start()
+        logger.info("serving %s (max_model_len %d)", state.model_name, state.max_model_len)
+        try:
+            yield
+        finally:
+            await drain(state, timeout_s=0.0)
+            await state.run_drain_hooks()
+            state.engine.shutdown()
+            logger.info("engine stopped")
+
+    app = FastAPI(title="loraserve", version="0.1.0", lifespan=lifespan)
+    app.state.loraserve = state
+    install_error_handlers(app)
+    for router in (openai.router, adapters.router, admin.router, health.router, *extra_routers):
+        app.include_router(router)
+    return app
+
+
+async def drain(state: AppState, *, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Stop admitting, let in-flight requests finish for up to `timeout_s`, then abort the rest."""
+    state.admission.is_draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while state.admission.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(poll_s)
+    if state.admission.num_in_flight:
+        state.inflight.abort_all("shutdown", state.engine.abort)
+        # Give the handlers a moment to send their final events / error responses.
+        grace = loop.time() + 5.0
+        while state.admission.num_in_flight and loop.time() < grace:
+            await asyncio.sleep(poll_s)

@@ -1,0 +1,106 @@
+"""Start-up: from `Settings` to a ready `AppState` (database migrated, store checked, engine loaded).
+
+Order matters for a fresh machine: data dir -> migrations on `--db` -> object store -> disk tier ->
+model (the demo checkpoint when no `--model`) -> secrets -> engine -> demo tenant. Also the
+start-up banner: base URL, keys and a ready-to-paste curl line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+
+from api.admission import Admission
+from api.demo import ensure_demo_checkpoint, ensure_demo_tenant
+from api.keyfiles import ADMIN_KEY_FILE, SERVER_SECRET_FILE, new_admin_key, read_or_create_secret
+from api.settings import Settings
+from api.state import AppState
+from base_engine.async_engine import AsyncEngine
+from base_engine.config import load_model_config
+from base_engine.engine import LLMEngine
+from registry.db import make_engine, session_factory, upgrade
+from registry.disk_cache import DiskTier
+from registry.store import open_store
+
+logger = logging.getLogger(__name__)
+
+
+def build_state(settings: Settings) -> AppState:
+    data_dir = settings.data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.db_url)
+    sessions = session_factory(make_engine(settings.db_url))
+    store = open_store(settings.registry_url)
+    store.check()
+    disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
+    if settings.is_demo:
+        ensure_demo_checkpoint(settings.demo_model_dir)
+    if settings.admin_key is not None:
+        admin_key, admin_created = settings.admin_key.get_secret_value(), False
+    else:
+        admin_key, admin_created = read_or_create_secret(data_dir / ADMIN_KEY_FILE, new_admin_key)
+    server_secret, _ = read_or_create_secret(data_dir / SERVER_SECRET_FILE, lambda: new_admin_key()[4:])
+    engine = LLMEngine(
+        settings.model_dir,
+        device=settings.device,
+        dtype=settings.dtype,
+        config=settings.engine_config(),
+        fetch=disk.fetch,
+    )
+    state = AppState(
+        settings=settings,
+        engine=AsyncEngine(engine),
+        sessions=sessions,
+        store=store,
+        disk=disk,
+        admin_key=admin_key,
+        server_secret=server_secret,
+        model_name=settings.model_name,
+        base_shapes=load_model_config(settings.model_dir).base_shapes(),
+        admission=Admission(settings.max_in_flight),
+        admin_key_created=admin_created,
+    )
+    if settings.is_demo:
+        state.demo = ensure_demo_tenant(
+            sessions=sessions,
+            store=store,
+            data_dir=data_dir,
+            shapes=state.base_shapes,
+            validate=state.validator(),
+            base_model=state.model_name,
+        )
+    return state
+
+
+def banner(state: AppState) -> str:
+    """What `loraserve serve` prints before serving: where, which keys, one curl call."""
+    settings = state.settings
+    base_url = f"http://{settings.host}:{settings.port}"
+    lines = [f"loraserve: serving model '{state.model_name}' at {base_url}/v1"]
+    if state.admin_key_created or state.demo is not None:
+        lines.append(f"  admin key:       {state.admin_key}   (admin API: {base_url}/admin/api)")
+    else:
+        lines.append(
+            f"  admin key:       kept in {settings.data_dir / ADMIN_KEY_FILE} (or LORASERVE_ADMIN_KEY)"
+        )
+    if state.demo is not None:
+        body = {
+            "model": state.demo.adapter_names[0],
+            "messages": [{"role": "user", "content": "Hello!"}],
+            "max_tokens": 32,
+        }
+        lines += [
+            f"  demo tenant key: {state.demo.api_key}",
+            f"  demo adapters:   {', '.join(state.demo.adapter_names)} "
+            f"(or model '{state.model_name}' for the base model)",
+            "",
+            "  Try it:",
+            f"  curl {base_url}/v1/chat/completions -H 'Authorization: Bearer {state.demo.api_key}' "
+            f"-H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}",
+            "",
+            "  NOTE: this is the demo model: its weights are RANDOM, so its answers are gibberish.",
+            "  Serve a real Hugging Face Llama/Mistral/Qwen2 checkpoint with:",
+            "      loraserve serve --model /path/to/checkpoint",
+        ]
+    return "\n".join(lines)

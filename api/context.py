@@ -1,0 +1,97 @@
+"""What the server knows about one API request while it runs, and the usage it is billed for.
+
+A `RequestContext` is created once per HTTP request; its `request_id` is the response `id`, the
+`X-Request-Id` header and the engine request id (suffixed `-<choice>` when one HTTP request becomes
+several engine requests: n > 1 or a list of prompts). When the last of its engine requests ends,
+`InFlight` hands the context and the final outputs to `on_request_finished` hooks (metering), which
+bill `compute_usage(finals, n=ctx.n)`: the same function that builds the response's `usage` object.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from base_engine.outputs import RequestOutput
+from registry.types import TenantQuotas
+
+RequestKind = Literal["completion", "chat"]
+ID_PREFIX: dict[RequestKind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
+
+
+def new_request_id(kind: RequestKind) -> str:
+    return f"{ID_PREFIX[kind]}-{secrets.token_hex(16)}"
+
+
+@dataclass(slots=True)
+class RequestContext:
+    request_id: str
+    kind: RequestKind
+    tenant_id: str
+    tenant_name: str
+    key_prefix: str
+    model: str  # as the client named it
+    adapter_name: str | None = None  # None = the base model
+    adapter_version: int | None = None
+    quotas: TenantQuotas = field(default_factory=TenantQuotas)  # the tenant's own (None = server default)
+    num_prompts: int = 1
+    n: int = 1  # choices per prompt
+    num_prompt_tokens: int = 0  # over all prompts, each counted once
+    max_new_tokens: int = 0  # sum of max_tokens over all choices (quota estimates)
+    created: int = field(default_factory=lambda: int(time.time()))
+    created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    engine_request_ids: list[str] = field(default_factory=list)  # index = choice index
+    abort_reason: str | None = None  # "disconnect" | "timeout" | "shutdown" once aborted by the server
+    response_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-* set by quota checks
+    usage: Usage | None = None  # what the response reported, once known
+
+    @property
+    def estimated_tokens(self) -> int:
+        """Upper bound of the tokens this request can bill: its prompts plus every choice's max_tokens."""
+        return self.num_prompt_tokens + self.max_new_tokens
+
+    @property
+    def num_choices(self) -> int:
+        return self.num_prompts * self.n
+
+    def engine_request_id(self, index: int) -> str:
+        return self.request_id if self.num_choices == 1 else f"{self.request_id}-{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def compute_usage(finals: Sequence[RequestOutput], *, n: int) -> Usage:
+    """Usage of one HTTP request from its engine requests' final outputs, in choice order.
+
+    Each prompt is billed once (its first choice's length and prefix-cache hits), as OpenAI bills
+    `n`; completion tokens are summed over every choice.
+    """
+    if n < 1 or len(finals) % n:
+        raise ValueError(f"expected a multiple of n={n} final outputs, got {len(finals)}")
+    firsts = finals[::n]
+    return Usage(
+        prompt_tokens=sum(o.num_prompt_tokens for o in firsts),
+        completion_tokens=sum(o.num_completion_tokens for o in finals),
+        cached_tokens=sum(o.num_cached_tokens for o in firsts),
+    )

@@ -1,0 +1,115 @@
+"""The embedded demo: a random-weight Llama checkpoint, a `demo` tenant and two demo LoRA adapters.
+
+Created once in the data directory when `loraserve serve` runs without `--model`, then reused: the
+demo tenant's key is kept in `<data_dir>/demo-tenant.key` (0600) so the printed curl line works
+after restarts. Adapters are random LoRA factors in PEFT's on-disk format
+(`adapters.synthetic.save_random_adapter`: what `PeftModel.save_pretrained` writes), since peft is
+only a development dependency. The weights are random: outputs are gibberish.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from adapters.synthetic import save_random_adapter
+from adapters.types import AdapterSummary, BaseModelShapes
+from api.keyfiles import DEMO_KEY_FILE, read_secret, replace_secret
+from api.state import DemoInfo
+from base_engine.tiny_checkpoint import save_random_checkpoint
+from registry.adapters import list_adapters, register_adapter_version
+from registry.errors import AuthError, NotFound
+from registry.keys import authenticate, issue_key
+from registry.store import ObjectStore
+from registry.tenants import create_tenant, get_tenant_by_name
+
+logger = logging.getLogger(__name__)
+
+DEMO_TENANT = "demo"
+# name -> (rank, target modules)
+DEMO_ADAPTERS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "demo-qv-r8": (8, ("q_proj", "v_proj")),
+    "demo-all-r4": (4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+}
+DEMO_CHECKPOINT = {
+    "arch": "llama",
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 688,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+}
+
+
+def ensure_demo_checkpoint(model_dir: Path) -> Path:
+    """The demo checkpoint in `model_dir`, written (to a temp dir, then renamed) on first use."""
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=model_dir.parent))
+    try:
+        save_random_checkpoint(tmp, **DEMO_CHECKPOINT)  # type: ignore[arg-type]
+        tmp.rename(model_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("created the random-weight demo checkpoint in %s", model_dir)
+    return model_dir
+
+
+def _demo_key(session: Session, key_file: Path) -> str:
+    """The demo tenant's key from `key_file` if it still works, else a new one (tenant created once)."""
+    saved = read_secret(key_file)
+    if saved is not None:
+        try:
+            authenticate(session, api_key=saved)
+            return saved
+        except AuthError:
+            logger.warning("the saved demo key no longer works; issuing a new one")
+    try:
+        tenant = get_tenant_by_name(session, name=DEMO_TENANT)
+        _, api_key = issue_key(session, tenant_id=tenant.id, label="demo")
+    except NotFound:
+        _, api_key = create_tenant(session, name=DEMO_TENANT, key_label="demo")
+    replace_secret(key_file, api_key)
+    return api_key
+
+
+def ensure_demo_tenant(
+    *,
+    sessions: sessionmaker[Session],
+    store: ObjectStore,
+    data_dir: Path,
+    shapes: BaseModelShapes,
+    validate: Callable[[Path], AdapterSummary],
+    base_model: str,
+) -> DemoInfo:
+    with sessions() as session:
+        api_key = _demo_key(session, data_dir / DEMO_KEY_FILE)
+        tenant = get_tenant_by_name(session, name=DEMO_TENANT)
+        existing = {a.name for a in list_adapters(session, tenant_id=tenant.id)}
+        for seed, (name, (rank, modules)) in enumerate(DEMO_ADAPTERS.items()):
+            if name in existing:
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                files = save_random_adapter(
+                    Path(tmp), shapes, rank=rank, alpha=2 * rank, modules=modules, seed=seed
+                )
+                register_adapter_version(
+                    session,
+                    store,
+                    tenant_id=tenant.id,
+                    name=name,
+                    files_dir=files,
+                    validate=validate,
+                    base_model=base_model,
+                )
+            logger.info("registered demo adapter %s", name)
+    return DemoInfo(tenant_name=DEMO_TENANT, api_key=api_key, adapter_names=tuple(DEMO_ADAPTERS))

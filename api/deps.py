@@ -1,0 +1,93 @@
+"""FastAPI dependencies as `Annotated` aliases: `StateDep`, `SessionDep`, `TenantDep`, `AdminDep`.
+
+Tenant keys (`lsk-...`) authenticate only on `/v1`, the admin key (`lsa-...`) only on `/admin`: a key
+of the wrong kind is 401 on both sides, so neither can stand in for the other.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from api.errors import APIError
+from api.state import AppState
+from registry.errors import AuthError
+from registry.keys import authenticate, key_prefix
+from registry.types import TenantInfo
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.loraserve
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+
+
+def get_session(state: StateDep) -> Iterator[Session]:
+    with state.sessions() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def bearer_token(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise APIError(
+            401,
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+            code="missing_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return token.strip()
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An authenticated tenant and the public prefix of the key it used (for usage records, audit)."""
+
+    tenant: TenantInfo
+    key_prefix: str
+
+    @property
+    def actor(self) -> str:
+        return f"key:{self.key_prefix}"
+
+
+def get_caller(request: Request, session: SessionDep) -> Caller:
+    token = bearer_token(request)
+    try:
+        tenant = authenticate(session, api_key=token)
+        return Caller(tenant=tenant, key_prefix=key_prefix(token))
+    except AuthError as exc:
+        raise APIError(
+            401,
+            f"Incorrect API key provided: {exc}",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        ) from None
+
+
+TenantDep = Annotated[Caller, Depends(get_caller)]
+
+
+def require_admin(request: Request, state: StateDep) -> str:
+    token = bearer_token(request)
+    if not hmac.compare_digest(token.encode(), state.admin_key.encode()):
+        raise APIError(
+            401,
+            "Incorrect admin key provided (tenant API keys are not accepted here).",
+            code="invalid_admin_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return "admin"
+
+
+AdminDep = Annotated[str, Depends(require_admin)]

@@ -1,0 +1,166 @@
+"""Request bodies of the OpenAI endpoints (openai/openai-openapi `CreateCompletionRequest`,
+`CreateChatCompletionRequest`) plus vLLM's sampling extensions (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`).
+
+Unknown fields are refused (`extra="forbid"` -> 400 "Unrecognized request argument supplied: x"),
+as OpenAI does and vLLM does not. Fields OpenAI defines but this server does not implement are
+declared so that their defaults pass and any other value is refused naming the field: nothing
+is silently ignored. Cross-field rules (stream_options without stream, context length) live in
+api/sampling.py, where the error can name the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+MAX_LOGPROBS = 20  # vLLM's cap; OpenAI allows 5 (completions) and 20 (chat)
+
+
+def _unsupported(field: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported", f"`{field}` is not supported by this server")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+    include_obfuscation: bool | None = None
+
+    @field_validator("continuous_usage_stats", "include_obfuscation")
+    @classmethod
+    def _off(cls, value: bool | None, info: Any) -> bool | None:
+        if value:
+            raise _unsupported(f"stream_options.{info.field_name}")
+        return value
+
+
+class _SamplingFields(_Strict):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # OpenAI fields refused unless they have their no-op value
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise _unsupported("logit_bias")
+        return value
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo", "best_of", "suffix")
+    @classmethod
+    def _refused(cls, value: Any, info: Any) -> Any:
+        if value not in (None, False):
+            raise _unsupported(info.field_name)
+        return value
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: str | list[dict[str, Any]] | None) -> str:
+        """Content parts are joined into one string; only `{"type": "text", "text": ...}` parts exist here."""
+        if value is None or isinstance(value, str):
+            return value or ""
+        texts = []
+        for part in value:
+            if (
+                part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+                or set(part) - {"type", "text"}
+            ):
+                raise PydanticCustomError(
+                    "unsupported",
+                    "only text content parts ('type': 'text') are supported, got {part}",
+                    {"part": str(part)[:100]},
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    metadata: dict[str, str] | None = None  # bookkeeping only: stored nowhere, changes nothing
+    store: bool | None = None
+    service_tier: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    web_search_options: Any = None
+
+    @field_validator(
+        "store",
+        "service_tier",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "response_format",
+        "modalities",
+        "audio",
+        "prediction",
+        "reasoning_effort",
+        "web_search_options",
+    )
+    @classmethod
+    def _refused(cls, value: Any, info: Any) -> Any:
+        no_op = {
+            "store": (None, False),
+            "service_tier": (None, "auto", "default"),
+            "tools": (None, []),
+            "tool_choice": (None, "none"),
+            "functions": (None, []),
+            "response_format": (None, {"type": "text"}),
+            "modalities": (None, ["text"]),
+        }.get(info.field_name, (None,))
+        if value not in no_op:
+            raise _unsupported(info.field_name)
+        return value

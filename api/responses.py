@@ -1,0 +1,197 @@
+"""The service function behind `/v1/completions` and `/v1/chat/completions`: plan -> admit -> respond.
+
+Streaming follows the OpenAI wire format: `data: {chunk}` events, on include_usage a final chunk
+with `choices: []` and the usage, then `data: [DONE]`. Once the 200 is out, a failure becomes
+`data: {"error": {...}}` followed by `[DONE]` (what the openai client raises on). Usage comes from
+the engine's final outputs through `api.context.compute_usage`, the rule metering also uses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
+
+from api import formatting as fmt
+from api.admission import Ticket
+from api.context import RequestContext, RequestKind, compute_usage
+from api.deps import Caller
+from api.errors import APIError
+from api.generation import (
+    GenerationPlan,
+    RequestTimeout,
+    collect,
+    plan_generation,
+    run_choices,
+    unless_disconnected,
+)
+from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.state import AppState
+from base_engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class _ClosingStream(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however the response ends, even if never iterated."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # A disconnect can leave the generator suspended at a `yield`: close it now (its cleanup
+            # aborts the engine requests; it never really awaits), not whenever it is collected.
+            try:
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+            finally:
+                self._on_close()
+
+
+async def create_completion(
+    *,
+    state: AppState,
+    request: Request,
+    session: Session,
+    caller: Caller,
+    body: CompletionRequest | ChatCompletionRequest,
+    kind: RequestKind,
+) -> Response:
+    plan = await run_in_threadpool(
+        plan_generation, state=state, session=session, caller=caller, body=body, kind=kind
+    )
+    ctx = plan.ctx
+    try:
+        ticket = admit(state, ctx, len(plan.requests))
+    except APIError as exc:
+        exc.headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers, **exc.headers}
+        raise
+    headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers}
+    if plan.stream:
+        on_close = lambda: ticket.release(ctx.usage)
+        return _ClosingStream(
+            stream_events(state, plan), on_close, media_type="text/event-stream", headers=headers
+        )
+    try:
+        finals = await unless_disconnected(request, ctx, _collect(state, plan))
+    except APIError as exc:
+        return exc.response(headers)
+    finally:
+        ticket.release(ctx.usage)
+    return JSONResponse(_response_body(state, plan, finals), headers=headers)
+
+
+def admit(state: AppState, ctx: RequestContext, num_requests: int) -> Ticket:
+    """Quota checks (429), then the server's own bound (503); then `on_admitted` hooks (metering)."""
+    releases = []
+    try:
+        for check in state.admission_checks:
+            release = check(ctx)
+            if release is not None:
+                releases.append(release)
+        ticket = state.admission.acquire(num_requests)
+    except BaseException:
+        for release in releases:
+            release(None)
+        raise
+    ticket.on_release.extend(releases)
+    for hook in state.on_admitted:
+        hook(ctx)
+    return ticket
+
+
+async def _collect(state: AppState, plan: GenerationPlan) -> list[RequestOutput]:
+    try:
+        finals = await collect(state, plan)
+    except RequestTimeout:
+        raise _timeout_error(state) from None
+    plan.ctx.usage = compute_usage(finals, n=plan.ctx.n)
+    failure = _failure(plan.ctx, finals)
+    if failure is not None:
+        raise failure
+    return finals
+
+
+def _timeout_error(state: AppState) -> APIError:
+    return APIError(
+        504, f"request timed out after {state.settings.request_timeout_s:g} s", code="request_timeout"
+    )
+
+
+def _failure(ctx: RequestContext, finals: list[RequestOutput]) -> APIError | None:
+    errors = [o.error or "engine error" for o in finals if o.finish_reason == "error"]
+    if errors:
+        return APIError(500, f"generation failed: {errors[0]}", code="engine_error")
+    if any(o.finish_reason == "abort" for o in finals):
+        if ctx.abort_reason == "shutdown":
+            return APIError(
+                503, "The server is shutting down; the request was aborted.", code="shutting_down"
+            )
+        return APIError(500, f"request aborted ({ctx.abort_reason or 'by the engine'})", code="aborted")
+    return None
+
+
+def _response_body(state: AppState, plan: GenerationPlan, finals: list[RequestOutput]) -> dict[str, Any]:
+    ctx = plan.ctx
+    logprobs = fmt.LogprobFormatter(state.tokenizer, plan.num_top_logprobs or 0)
+    choices = []
+    for index, out in enumerate(finals):
+        lp = None
+        if plan.num_top_logprobs is not None and out.logprobs is not None:
+            if ctx.kind == "chat":
+                lp = logprobs.chat(out.token_ids, out.logprobs)
+            else:
+                lp = logprobs.completion(out.token_ids, out.logprobs)
+        make = fmt.chat_choice if ctx.kind == "chat" else fmt.completion_choice
+        choices.append(make(index, out.text, out.finish_reason, lp))
+    return fmt.response_body(ctx, choices, compute_usage(finals, n=ctx.n))
+
+
+async def stream_events(state: AppState, plan: GenerationPlan) -> AsyncIterator[str]:
+    ctx = plan.ctx
+    logprobs = fmt.LogprobFormatter(state.tokenizer, plan.num_top_logprobs or 0)
+    offsets = [0] * len(plan.requests)
+    finals: dict[int, RequestOutput] = {}
+    if ctx.kind == "chat":
+        for index in range(len(plan.requests)):
+            choice = fmt.chunk_choice(ctx, index, "", None, None, role=True)
+            yield fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage))
+    outputs = run_choices(state, plan)
+    try:
+        async for index, out in outputs:
+            if out.finished:
+                finals[index] = out
+            failure = _failure(ctx, [out]) if out.finished else None
+            if failure is not None:
+                yield fmt.sse(failure.body())
+                yield fmt.sse("[DONE]")
+                return
+            lp = None
+            if plan.num_top_logprobs is not None and out.new_logprobs:
+                if ctx.kind == "chat":
+                    lp = logprobs.chat(out.new_token_ids, out.new_logprobs)
+                else:
+                    lp = logprobs.completion(out.new_token_ids, out.new_logprobs, offsets[index])
+            offsets[index] += len(out.new_text)
+            if out.new_text or out.finished or lp is not None:
+                choice = fmt.chunk_choice(ctx, index, out.new_text, out.finish_reason, lp)
+                yield fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage))
+    except RequestTimeout:
+        yield fmt.sse(_timeout_error(state).body())
+        yield fmt.sse("[DONE]")
+        return
+    finally:
+        await outputs.aclose()
+    ctx.usage = compute_usage([finals[i] for i in range(len(plan.requests))], n=ctx.n)
+    if plan.include_usage:
+        yield fmt.sse(fmt.usage_chunk(ctx, ctx.usage))
+    yield fmt.sse("[DONE]")

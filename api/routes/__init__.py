@@ -1,0 +1,1 @@
+"""HTTP routes: thin functions that delegate to the service modules in `api/`."""

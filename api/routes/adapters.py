@@ -1,0 +1,35 @@
+"""Adapter REST routes for tenants: upload (multipart), list, inspect, delete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+
+from api import adapter_service
+from api.deps import SessionDep, StateDep, TenantDep
+
+router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+
+
+@router.post("", status_code=201)
+async def upload(request: Request, state: StateDep, caller: TenantDep) -> dict[str, Any]:
+    return await adapter_service.upload_adapter(state=state, request=request, caller=caller)
+
+
+@router.get("")
+def list_adapters(state: StateDep, session: SessionDep, caller: TenantDep) -> dict[str, Any]:
+    data = adapter_service.list_own_adapters(state=state, session=session, caller=caller)
+    return {"object": "list", "data": data}
+
+
+@router.get("/{name}")
+def get_adapter(name: str, state: StateDep, session: SessionDep, caller: TenantDep) -> dict[str, Any]:
+    return adapter_service.get_own_adapter(state=state, session=session, caller=caller, name=name)
+
+
+@router.delete("/{name}")
+def delete_adapter(
+    name: str, session: SessionDep, caller: TenantDep, version: int | None = Query(None, ge=1)
+) -> dict[str, Any]:
+    return adapter_service.delete_own_adapter(session=session, caller=caller, name=name, version=version)

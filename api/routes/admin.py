@@ -1,0 +1,131 @@
+"""Admin REST routes under `/admin/api` (admin key as Bearer; tenant keys get 401)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from api import admin_service as svc
+from api.deps import AdminDep, SessionDep, StateDep
+from registry.models import TenantStatus
+from registry.types import TenantQuotas
+
+router = APIRouter(prefix="/admin/api", tags=["admin"])
+
+
+class Quotas(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rpm: int | None = Field(None, ge=0)
+    tpm: int | None = Field(None, ge=0)
+    max_concurrent: int | None = Field(None, ge=0)
+    max_adapters: int | None = Field(None, ge=0)
+    max_adapter_bytes: int | None = Field(None, ge=0)
+
+    def to_registry(self) -> TenantQuotas:
+        return TenantQuotas(**self.model_dump())
+
+
+class NewTenant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    quotas: Quotas | None = None
+
+
+class NewKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    label: str | None = None
+
+
+def _list(data: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": data}
+
+
+@router.post("/tenants", status_code=201)
+def create_tenant(body: NewTenant, _: AdminDep, session: SessionDep) -> dict[str, Any]:
+    quotas = body.quotas.to_registry() if body.quotas else None
+    return svc.create(session, name=body.name, quotas=quotas)
+
+
+@router.get("/tenants")
+def list_tenants(_: AdminDep, session: SessionDep) -> dict[str, Any]:
+    return _list(svc.tenants(session))
+
+
+@router.get("/tenants/{tenant_id}")
+def get_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
+    return svc.tenant(session, tenant_id=tenant_id)
+
+
+@router.post("/tenants/{tenant_id}/suspend")
+def suspend_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
+    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.SUSPENDED)
+
+
+@router.post("/tenants/{tenant_id}/activate")
+def activate_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
+    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.ACTIVE)
+
+
+@router.delete("/tenants/{tenant_id}")
+def delete_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
+    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.DELETED)
+
+
+@router.put("/tenants/{tenant_id}/quotas")
+def set_quotas(tenant_id: str, body: Quotas, _: AdminDep, session: SessionDep) -> dict[str, Any]:
+    return svc.set_quotas(session, tenant_id=tenant_id, quotas=body.to_registry())
+
+
+@router.post("/tenants/{tenant_id}/keys", status_code=201)
+def issue_key(tenant_id: str, _: AdminDep, session: SessionDep, body: NewKey | None = None) -> dict[str, Any]:
+    return svc.new_key(session, tenant_id=tenant_id, label=body.label if body else None)
+
+
+@router.get("/tenants/{tenant_id}/keys")
+def list_keys(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
+    return _list(svc.keys(session, tenant_id=tenant_id))
+
+
+@router.delete("/tenants/{tenant_id}/keys/{prefix}")
+def revoke_key(tenant_id: str, prefix: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
+    return svc.revoke(session, tenant_id=tenant_id, prefix=prefix)
+
+
+@router.get("/adapters")
+def list_adapters(
+    _: AdminDep, state: StateDep, session: SessionDep, tenant_id: str | None = None
+) -> dict[str, Any]:
+    return _list(svc.all_adapters(state, session, tenant_id=tenant_id))
+
+
+@router.post("/tenants/{tenant_id}/adapters/{name}/pin")
+async def pin_adapter(
+    tenant_id: str, name: str, _: AdminDep, state: StateDep, session: SessionDep, version: int | None = None
+) -> dict[str, Any]:
+    return await svc.pin(state, session, tenant_id=tenant_id, name=name, version=version, is_pin=True)
+
+
+@router.post("/tenants/{tenant_id}/adapters/{name}/unpin")
+async def unpin_adapter(
+    tenant_id: str, name: str, _: AdminDep, state: StateDep, session: SessionDep, version: int | None = None
+) -> dict[str, Any]:
+    return await svc.pin(state, session, tenant_id=tenant_id, name=name, version=version, is_pin=False)
+
+
+@router.get("/audit")
+def audit(
+    _: AdminDep,
+    session: SessionDep,
+    tenant_id: str | None = None,
+    limit: int = Query(100, ge=1, le=1000),
+    before_id: int | None = None,
+) -> dict[str, Any]:
+    return _list(svc.audit(session, tenant_id=tenant_id, limit=limit, before_id=before_id))
+
+
+@router.get("/engine")
+def engine(_: AdminDep, state: StateDep) -> dict[str, Any]:
+    """Live engine statistics (KV blocks in use, queue depths, prefix-cache counters, adapter cache)."""
+    return svc.engine_stats(state)

@@ -1,0 +1,80 @@
+"""OpenAI-compatible inference routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from api.deps import SessionDep, StateDep, TenantDep
+from api.errors import model_not_found
+from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.responses import create_completion
+from api.state import AppState
+from registry.adapters import list_adapters
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+@router.post("/completions")
+async def completions(
+    body: CompletionRequest, request: Request, state: StateDep, session: SessionDep, caller: TenantDep
+) -> Response:
+    return await create_completion(
+        state=state, request=request, session=session, caller=caller, body=body, kind="completion"
+    )
+
+
+@router.post("/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep, session: SessionDep, caller: TenantDep
+) -> Response:
+    return await create_completion(
+        state=state, request=request, session=session, caller=caller, body=body, kind="chat"
+    )
+
+
+def _base_card(state: AppState) -> dict[str, Any]:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "loraserve",
+        "root": state.model_name,
+        "parent": None,
+        "max_model_len": state.max_model_len,
+    }
+
+
+def model_cards(*, state: AppState, session: SessionDep, caller: TenantDep) -> list[dict[str, Any]]:
+    """The base model first, then each of the caller's adapters once, by bare name."""
+    cards = [_base_card(state)]
+    latest: dict[str, Any] = {}
+    for info in list_adapters(session, tenant_id=caller.tenant.id):
+        latest[info.name] = info  # ordered by version: the last one wins
+    for name, info in latest.items():
+        cards.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": int(info.created_at.timestamp()),
+                "owned_by": caller.tenant.name,
+                "root": f"{name}@{info.version}",
+                "parent": state.model_name,
+                "max_model_len": state.max_model_len,
+            }
+        )
+    return cards
+
+
+@router.get("/models")
+def models(state: StateDep, session: SessionDep, caller: TenantDep) -> dict[str, Any]:
+    return {"object": "list", "data": model_cards(state=state, session=session, caller=caller)}
+
+
+@router.get("/models/{model:path}")
+def model(model: str, state: StateDep, session: SessionDep, caller: TenantDep) -> dict[str, Any]:
+    for card in model_cards(state=state, session=session, caller=caller):
+        if card["id"] == model:
+            return card
+    raise model_not_found(model)

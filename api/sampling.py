@@ -1,0 +1,126 @@
+"""From an OpenAI request body to prompt token ids and engine `SamplingParams`, validated up front.
+
+Everything here raises `APIError(400)` naming the field, before any engine work and before the 200 of
+a stream. Context length follows vLLM/OpenAI: prompt + max_tokens must fit in max_model_len
+("This model's maximum context length is N tokens..."); an omitted `max_tokens` means "the rest of
+the context" on chat (OpenAI's behaviour) and 16 on completions (the OpenAI spec's default).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.errors import APIError
+from api.protocol import ChatCompletionRequest, CompletionRequest
+from base_engine.sampling_params import SamplingParams
+from base_engine.tokenizer import apply_chat_template
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_SEED_SPAN = 1 << 63
+
+
+def derive_seed(seed: int | None, index: int) -> int | None:
+    """Seed of choice `index`: the request's seed for choice 0, distinct reproducible seeds after it."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index) % _SEED_SPAN
+
+
+def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list[int]]:
+    """Token ids of each prompt: a string, a list of strings, token ids, or a list of token-id lists."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        items: list[Any] = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    encoded = []
+    for item in items:
+        try:
+            ids = engine.encode_prompt(item)
+        except ValueError as exc:
+            raise APIError(400, f"invalid prompt: {exc}", param="prompt", code="invalid_value") from None
+        if not ids:
+            raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        encoded.append(ids)
+    return encoded
+
+
+def encode_chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    try:
+        return apply_chat_template(tokenizer, messages)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+
+
+def _max_tokens(body: CompletionRequest | ChatCompletionRequest, num_prompt: int, max_model_len: int) -> int:
+    is_chat = isinstance(body, ChatCompletionRequest)
+    asked = body.max_completion_tokens or body.max_tokens if is_chat else body.max_tokens
+    param = "messages" if is_chat else "prompt"
+    remaining = max_model_len - num_prompt
+    if asked is None:
+        if remaining >= 1:
+            return remaining if is_chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, remaining)
+        asked = 1
+    if num_prompt + asked > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + asked} tokens ({num_prompt} in the {param}, {asked} in the completion). "
+            f"Please reduce the length of the {param} or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return asked
+
+
+def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def check_stream_options(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether the stream ends with a usage chunk; stream_options without stream is refused (as vLLM)."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            400,
+            "`stream_options` can only be defined when `stream=True`.",
+            param="stream_options",
+            code="invalid_value",
+        )
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, *, num_prompt: int, max_model_len: int, index: int
+) -> SamplingParams:
+    """The engine's parameters for choice `index` of a prompt of `num_prompt` tokens."""
+    options: dict[str, Any] = {
+        "max_tokens": _max_tokens(body, num_prompt, max_model_len),
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "seed": derive_seed(body.seed, index),
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos,
+        "logprobs": _logprobs(body),
+        "skip_special_tokens": body.skip_special_tokens,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+    }
+    try:
+        return SamplingParams(**{k: v for k, v in options.items() if v is not None})
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise APIError(
+            400, str(exc), param=field if field in options else None, code="invalid_value"
+        ) from None

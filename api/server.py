@@ -1,0 +1,73 @@
+"""Running the app under uvicorn with a graceful drain on SIGTERM / SIGINT.
+
+uvicorn on its own closes the listening socket at the first signal and re-raises the signal after
+shutdown (the process then dies by SIGTERM, not exit 0). Here the first signal only starts the drain
+(api.app.drain): new requests get 503 while the socket stays open, in-flight requests get
+`drain_timeout_s` to finish and are aborted after it; then uvicorn shuts down, the lifespan flushes
+(`state.on_drain`) and stops the engine, and `serve` returns normally: exit status 0. A second
+signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from api.app import drain
+from api.state import AppState
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: AppState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._is_draining = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown.
+        if self._is_draining or self._loop is None:
+            logger.warning("second signal %d: shutting down now", sig)
+            self.should_exit = True
+            return
+        logger.info("signal %d: draining (grace %.1f s)", sig, self.state.settings.drain_timeout_s)
+        self._is_draining = True
+        self.state.admission.is_draining = True
+        # A signal handler may run in the middle of the event loop: hand the task over through it.
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await drain(self.state, timeout_s=self.state.settings.drain_timeout_s)
+        finally:
+            self.should_exit = True
+
+
+def run(app: FastAPI, state: AppState) -> None:
+    """Serve until a signal drains the server; returns normally (exit status 0)."""
+    settings = state.settings
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+        # Our own logging configuration (api/cli.py) stays in place.
+        log_config=None,
+    )
+    DrainingServer(config, state).run()

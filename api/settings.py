@@ -1,0 +1,109 @@
+"""Server settings: the one place the environment is read (`LORASERVE_*`, pydantic-settings).
+
+Precedence: CLI options > `LORASERVE_*` environment variables > defaults. Everything below `api`
+receives plain values or config dataclasses built here (`engine_config()`), never the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from base_engine.engine_config import EngineConfig
+
+DEMO_MODEL_NAME = "loraserve-demo"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORASERVE_", extra="forbid")
+
+    # Where things live.
+    model: Path | None = None  # None = the random-weight demo checkpoint in the data dir
+    served_model_name: str | None = None  # None = the model directory's name (or DEMO_MODEL_NAME)
+    data_dir: Path = Path("loraserve-data")
+    db: str | None = None  # SQLAlchemy URL; None = SQLite in the data dir
+    registry: str | None = None  # file:///dir or s3://bucket/prefix; None = file:// in the data dir
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    admin_key: SecretStr | None = None  # None = generated once and kept in <data_dir>/admin.key
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    # Engine (names follow base_engine.EngineConfig / vLLM's engine arguments).
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    block_size: int = Field(16, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+    max_loras: int = Field(4, ge=1)
+    max_cpu_loras: int = Field(16, ge=1)
+    max_lora_rank: int = Field(64, ge=1)
+    seed: int = 0
+
+    # Serving limits.
+    max_queue_len: int = Field(256, ge=0)  # engine requests waiting beyond max_num_seqs; more -> 503
+    request_timeout_s: float = Field(600.0, gt=0)
+    drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM grace period before in-flight requests abort
+    max_upload_bytes: int = Field(512 << 20, ge=1)  # whole multipart body of an adapter upload
+    disk_cache_bytes: int = Field(4 << 30, ge=1)  # local adapter tier (registry.disk_cache.DiskTier)
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        return self
+
+    @property
+    def db_url(self) -> str:
+        return self.db or f"sqlite:///{(self.data_dir / 'loraserve.db').resolve()}"
+
+    @property
+    def registry_url(self) -> str:
+        return self.registry or (self.data_dir / "objects").resolve().as_uri()
+
+    @property
+    def is_demo(self) -> bool:
+        return self.model is None
+
+    @property
+    def demo_model_dir(self) -> Path:
+        return self.data_dir / "demo-model"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.model if self.model is not None else self.demo_model_dir
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return DEMO_MODEL_NAME if self.model is None else self.model.resolve().name
+
+    @property
+    def max_in_flight(self) -> int:
+        """Engine requests admitted at once: one full batch plus the bounded waiting queue."""
+        return self.max_num_seqs + self.max_queue_len
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            seed=self.seed,
+            max_loras=self.max_loras,
+            max_cpu_loras=self.max_cpu_loras,
+            max_lora_rank=self.max_lora_rank,
+        )
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment with `overrides` (CLI options) on top; None means "not given"."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

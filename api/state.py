@@ -1,0 +1,115 @@
+"""Everything the app needs at run time, built once at start-up (api/bootstrap.py) and shared by routes.
+
+Seams for the metering / metrics / quota layer (issue 7):
+- `admission_checks`: `check(ctx) -> release | None`, run before any engine work; raise
+  `APIError(429, ...)` to refuse, put `x-ratelimit-*` into `ctx.response_headers`; the returned
+  `release(usage | None)` runs once when the request ends (`ctx.estimated_tokens` for estimates).
+- `on_admitted`: `hook(ctx)` once the request is admitted (journal it as begun).
+- `inflight.on_request_finished`: `hook(ctx, finals)` once per request when all its engine requests
+  ended, aborted and failed ones included; bill `api.context.compute_usage(finals, n=ctx.n)`.
+- `engine.on_finished`: every finished engine request (`inflight.get(out.request_id)` -> context).
+- `on_drain`: run on shutdown after in-flight requests ended (flush buffers there).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from adapters.types import AdapterSummary, BaseModelShapes
+from adapters.validation import validate_adapter
+from api.admission import Admission, InFlight, Release
+from api.context import RequestContext
+from api.keyfiles import tenant_cache_salt
+from api.settings import Settings
+from base_engine.async_engine import AsyncEngine
+from base_engine.engine import DTYPES
+from registry.disk_cache import DiskTier
+from registry.store import ObjectStore
+from registry.types import AdapterVersionInfo
+
+logger = logging.getLogger(__name__)
+
+AdmissionCheck = Callable[[RequestContext], Release | None]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoInfo:
+    tenant_name: str
+    api_key: str
+    adapter_names: tuple[str, ...]
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    engine: AsyncEngine
+    sessions: sessionmaker[Session]
+    store: ObjectStore
+    disk: DiskTier
+    admin_key: str
+    server_secret: str
+    model_name: str  # the base model's served name (`model` in requests, first in /v1/models)
+    base_shapes: BaseModelShapes
+    admission: Admission
+    inflight: InFlight = field(default_factory=InFlight)
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    admission_checks: list[AdmissionCheck] = field(default_factory=list)
+    on_admitted: list[Callable[[RequestContext], None]] = field(default_factory=list)
+    on_drain: list[Callable[[], Any]] = field(default_factory=list)  # sync or async; run once
+    demo: DemoInfo | None = None
+    admin_key_created: bool = False
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.engine.max_model_len)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.engine.tokenizer
+
+    @property
+    def engine_is_running(self) -> bool:
+        # AsyncEngine has no public "running" flag yet; its worker thread is the truth.
+        thread = getattr(self.engine, "_thread", None)
+        return thread is not None and thread.is_alive()
+
+    def cache_salt(self, tenant_id: str) -> bytes:
+        return tenant_cache_salt(self.server_secret, tenant_id)
+
+    def validator(self) -> Callable[[Path], AdapterSummary]:
+        """`validate_adapter` bound to the served base model and this server's limits."""
+        return functools.partial(
+            validate_adapter,
+            base=self.base_shapes,
+            max_lora_rank=self.settings.max_lora_rank,
+            max_size_bytes=self.settings.max_upload_bytes,
+            dtype=self.engine.engine.dtype if self.settings.dtype == "auto" else DTYPES[self.settings.dtype],
+        )
+
+    def residency(self, info: AdapterVersionInfo) -> str:
+        """Where a version lives now: "gpu" | "cpu" (engine adapter cache), "disk" (local tier), "store"."""
+        in_engine = self.engine.adapter_residency().get(info.ref_id)
+        if in_engine is not None:
+            return in_engine
+        if f"{info.sha256}-{info.config_sha256}" in self.disk.entries():
+            return "disk"
+        return "store"
+
+    async def run_drain_hooks(self) -> None:
+        hooks, self.on_drain = list(self.on_drain), []
+        for hook in hooks:
+            try:
+                result = hook()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # noqa: BLE001 - one failing hook must not stop the others
+                logger.exception("drain hook %r failed", hook)

@@ -1,0 +1,148 @@
+"""Streaming `multipart/form-data` adapter uploads, bounded while the body is read.
+
+Form: a text field `name` and the two PEFT files as repeated `files` parts whose file names are
+exactly `adapter_config.json` and `adapter_model.safetensors`. Parts are written straight to a
+temporary directory under those fixed names (a client's file name never becomes a path); the body
+is refused with 413 as soon as it passes the size limit (or at once from Content-Length), and
+anything else, such as PEFT's pickle `adapter_model.bin`, with 400 naming the part.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import IO
+
+from fastapi import Request
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from api.errors import APIError
+from registry.types import CONFIG_FILE, WEIGHTS_FILE
+
+NAME_FIELD = "name"
+FILES_FIELD = "files"
+_MAX_NAME_BYTES = 256
+_ALLOWED = (CONFIG_FILE, WEIGHTS_FILE)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"upload body exceeds the limit of {max_bytes} bytes", code="payload_too_large")
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_upload")
+
+
+class _AdapterForm:
+    """Multipart callbacks writing the parts of one upload into `dest`."""
+
+    def __init__(self, dest: Path) -> None:
+        self.dest = dest
+        self.name: bytes | None = None
+        self.files: set[str] = set()
+        self._header_field = b""
+        self._header_value = b""
+        self._headers: dict[bytes, bytes] = {}
+        self._target: IO[bytes] | None = None  # file being written
+        self._text: bytearray | None = None  # text field being read
+
+    def callbacks(self) -> dict[str, object]:
+        return {
+            "on_part_begin": self._part_begin,
+            "on_header_field": lambda d, s, e: self._append("_header_field", d[s:e]),
+            "on_header_value": lambda d, s, e: self._append("_header_value", d[s:e]),
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+        }
+
+    def _append(self, attr: str, data: bytes) -> None:
+        setattr(self, attr, getattr(self, attr) + data)
+
+    def _part_begin(self) -> None:
+        self._headers = {}
+
+    def _header_end(self) -> None:
+        self._headers[self._header_field.lower()] = self._header_value
+        self._header_field = self._header_value = b""
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._headers.get(b"content-disposition", b""))
+        field = options.get(b"name", b"").decode("utf-8", "replace")
+        filename = options.get(b"filename")
+        if field == NAME_FIELD and filename is None:
+            self._text = bytearray()
+            return
+        if field != FILES_FIELD or filename is None:
+            raise _bad(
+                f"unexpected form part {field!r}; expected a text field '{NAME_FIELD}' and files "
+                f"'{FILES_FIELD}' named {_ALLOWED}",
+                param=field or None,
+            )
+        fname = filename.decode("utf-8", "replace")
+        if fname.endswith(".bin"):
+            raise _bad(
+                f"file {fname!r} refused: pickle weights are never read; upload {WEIGHTS_FILE} "
+                "(PEFT save_pretrained with safe_serialization=True)",
+                param=FILES_FIELD,
+            )
+        if fname not in _ALLOWED:
+            raise _bad(f"unexpected file {fname!r}; expected exactly {_ALLOWED}", param=FILES_FIELD)
+        if fname in self.files:
+            raise _bad(f"file {fname!r} appears twice", param=FILES_FIELD)
+        self.files.add(fname)
+        self._target = open(self.dest / fname, "wb")  # noqa: SIM115 - closed in _part_end / close()
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._target is not None:
+            self._target.write(data[start:end])
+        elif self._text is not None:
+            self._text += data[start:end]
+            if len(self._text) > _MAX_NAME_BYTES:
+                raise _bad(f"field '{NAME_FIELD}' is longer than {_MAX_NAME_BYTES} bytes", param=NAME_FIELD)
+
+    def _part_end(self) -> None:
+        if self._target is not None:
+            self._target.close()
+            self._target = None
+        elif self._text is not None:
+            if self.name is not None:
+                raise _bad(f"field '{NAME_FIELD}' appears twice", param=NAME_FIELD)
+            self.name = bytes(self._text)
+            self._text = None
+
+    def close(self) -> None:
+        if self._target is not None:
+            self._target.close()
+
+
+async def receive_adapter_upload(request: Request, dest: Path, *, max_bytes: int) -> str:
+    """Write the upload's files into `dest`; returns the adapter name from the `name` field."""
+    content_type, options = parse_options_header(request.headers.get("content-type", ""))
+    boundary = options.get(b"boundary")
+    if content_type != b"multipart/form-data" or not boundary:
+        raise _bad(f"expected a multipart/form-data body, got content-type {content_type.decode()!r}")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    form = _AdapterForm(dest)
+    parser = MultipartParser(boundary, form.callbacks())  # type: ignore[arg-type]
+    received = 0
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > max_bytes:
+                raise _too_large(max_bytes)
+            parser.write(chunk)
+        parser.finalize()
+    except MultipartParseError as exc:
+        raise _bad(f"malformed multipart body: {exc}") from None
+    finally:
+        form.close()
+    if form.name is None:
+        raise _bad(f"missing form field '{NAME_FIELD}'", param=NAME_FIELD)
+    try:
+        return form.name.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise _bad(f"field '{NAME_FIELD}' is not UTF-8", param=NAME_FIELD) from None

@@ -1,0 +1,168 @@
+"""Adapter REST API: upload (multipart, validated before storing), list, inspect, version, delete, serve.
+
+Oracles: sha256 of the uploaded bytes, peft's own saved adapters, the store's object listing (nothing
+stored after a refusal), and greedy decoding (an adapter changes the base model's output).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.adapters.helpers import edit_tensors
+from tests.api.conftest import MAX_LORA_RANK, MAX_UPLOAD_BYTES, Server
+from tests.api.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
+
+
+@pytest.fixture(scope="module")
+def good_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return peft_adapter(tmp_path_factory.mktemp("good") / "a")
+
+
+@pytest.fixture(scope="module")
+def key(server: Server) -> str:
+    return server.tenant("ad")[1]
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_upload_returns_the_ready_version(server: Server, key: str, good_dir: Path) -> None:
+    files = files_of(good_dir)
+    r = upload(server, key, "bot", files)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert (body["name"], body["version"], body["status"]) == ("bot", 1, "ready")
+    assert body["sha256"] == hashlib.sha256(files[WEIGHTS]).hexdigest()
+    assert body["rank"] == 4 and body["modules"] == ["q_proj", "v_proj", "down_proj"]
+    assert body["size"] == len(files[WEIGHTS])
+    second = upload(server, key, "bot", files).json()
+    assert second["version"] == 2  # versions are per name and never reused
+    listing = httpx.get(f"{server.base_url}/v1/adapters", headers=_auth(key)).json()
+    assert listing["object"] == "list"
+    assert [(a["name"], [v["version"] for v in a["versions"]]) for a in listing["data"]] == [("bot", [1, 2])]
+    detail = httpx.get(f"{server.base_url}/v1/adapters/bot", headers=_auth(key)).json()
+    assert detail["latest_version"] == 2 and all(
+        v["residency"] in ("gpu", "cpu", "disk", "store") for v in detail["versions"]
+    )
+
+
+def test_adapter_is_served_by_name_and_version(server: Server, good_dir: Path) -> None:
+    _, key = server.tenant("serve")
+    assert upload(server, key, "helper", files_of(good_dir)).status_code == 201
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+
+    def greedy(model: str) -> str:
+        return (
+            client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0)
+            .choices[0]
+            .text
+        )
+
+    base, adapted = greedy("tiny-llama"), greedy("helper")
+    assert adapted != base  # the adapter is applied, never a silent fall back to the base model
+    assert greedy("helper@1") == adapted
+    models = [m.id for m in client.models.list().data]
+    assert models == ["tiny-llama", "helper"]
+    with pytest.raises(openai.NotFoundError):
+        greedy("helper@2")
+    # Deleting stops serving at once.
+    r = httpx.delete(f"{server.base_url}/v1/adapters/helper", headers=_auth(key))
+    assert r.status_code == 200 and r.json()["versions"] == [1]
+    with pytest.raises(openai.NotFoundError) as info:
+        greedy("helper")
+    assert info.value.body["code"] == "model_not_found"
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+
+
+def test_delete_one_version(server: Server, key: str, good_dir: Path) -> None:
+    for _ in range(2):
+        assert upload(server, key, "multi", files_of(good_dir)).status_code == 201
+    r = httpx.delete(f"{server.base_url}/v1/adapters/multi", params={"version": 1}, headers=_auth(key))
+    assert r.status_code == 200 and r.json()["versions"] == [1]
+    versions = httpx.get(f"{server.base_url}/v1/adapters/multi", headers=_auth(key)).json()["versions"]
+    assert [v["version"] for v in versions] == [2]
+
+
+def _nan(tensors: dict) -> dict:
+    name = sorted(tensors)[0]
+    tensors[name][0, 0] = math.nan
+    return tensors
+
+
+def _refusals(tmp: Path, good: Path) -> Iterator[tuple[str, str, dict[str, bytes], int, str]]:
+    """(case, adapter name, files, status, text the error must contain)."""
+    files = files_of(good)
+    yield "pickle", "p", {CONFIG: files[CONFIG], "adapter_model.bin": b"\x80\x04pickle"}, 400, "pickle"
+    wrong = files_of(peft_adapter_on(tmp / "wide", hidden_size=96))
+    yield "hidden size", "h", wrong, 400, "shape"
+    big_rank = files_of(peft_adapter(tmp / "rank", r=MAX_LORA_RANK * 2, target_modules=["q_proj"]))
+    yield "rank", "r", big_rank, 400, "rank"
+    nan_dir = Path(shutil.copytree(good, tmp / "nan"))
+    edit_tensors(nan_dir, _nan)
+    yield "nan", "n", files_of(nan_dir), 400, "finite"
+    dora = files_of(peft_adapter(tmp / "dora", use_dora=True))
+    yield "dora", "d", dora, 400, "use_dora"
+    yield "missing config", "c", {WEIGHTS: files[WEIGHTS]}, 400, CONFIG
+    truncated = {CONFIG: files[CONFIG], WEIGHTS: files[WEIGHTS][: len(files[WEIGHTS]) // 2]}
+    yield "truncated", "t", truncated, 400, "safetensors"
+    yield "path name", "../evil", files, 400, "name"
+    yield "slash name", "a/b", files, 400, "name"
+    oversize = {CONFIG: files[CONFIG], WEIGHTS: b"\0" * (MAX_UPLOAD_BYTES + 1)}
+    yield "oversize", "o", oversize, 413, "limit"
+
+
+def test_refused_uploads_store_nothing(
+    server: Server, key: str, good_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    before = server.store_keys()
+    tmp = tmp_path_factory.mktemp("refused")
+    for case, name, files, status, needle in _refusals(tmp, good_dir):
+        r = upload(server, key, name, files)
+        assert r.status_code == status, (case, r.text)
+        error = r.json()["error"]
+        assert needle.lower() in error["message"].lower(), (case, error)
+        assert httpx.get(f"{server.base_url}/v1/adapters/{name}", headers=_auth(key)).status_code == 404, case
+    assert server.store_keys() == before
+    listing = httpx.get(f"{server.base_url}/v1/adapters", headers=_auth(key)).json()["data"]
+    assert not {a["name"] for a in listing} & {"p", "h", "r", "n", "d", "c", "t", "o"}
+
+
+def test_oversize_body_without_content_length_is_cut_off(server: Server, key: str) -> None:
+    boundary = "xyzzy"
+
+    def body() -> Iterator[bytes]:
+        yield f'--{boundary}\r\nContent-Disposition: form-data; name="name"\r\n\r\nchunked\r\n'.encode()
+        yield (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="files"; filename="{WEIGHTS}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        for _ in range(MAX_UPLOAD_BYTES // 4096 + 2):
+            yield b"\0" * 4096
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    headers = {**_auth(key), "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    r = httpx.post(f"{server.base_url}/v1/adapters", headers=headers, content=body(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+
+def test_bad_form_parts_are_named(server: Server, key: str, good_dir: Path) -> None:
+    files = files_of(good_dir)
+    r = upload(server, key, "x", {**files, "notes.txt": b"hello"})
+    assert r.status_code == 400 and "notes.txt" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{server.base_url}/v1/adapters", headers=_auth(key), files=[("files", (CONFIG, files[CONFIG]))]
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+    r = httpx.post(f"{server.base_url}/v1/adapters", headers=_auth(key), json={"name": "x"})
+    assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
+    assert json.loads(files[CONFIG])["peft_type"] == "LORA"  # the good files themselves were fine
