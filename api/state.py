@@ -78,9 +78,7 @@ class AppState:
 
     @property
     def engine_is_running(self) -> bool:
-        # AsyncEngine has no public "running" flag yet; its worker thread is the truth.
-        thread = getattr(self.engine, "_thread", None)
-        return thread is not None and thread.is_alive()
+        return self.engine.is_running
 
     def cache_salt(self, tenant_id: str) -> bytes:
         return tenant_cache_salt(self.server_secret, tenant_id)

@@ -67,6 +67,11 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
+    def is_running(self) -> bool:
+        """The engine thread is alive and stepping (what readiness checks ask)."""
+        return self._thread.is_alive() and not self._stop
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -176,7 +181,10 @@ class AsyncEngine:
     def _deliver(self, out: RequestOutput) -> None:
         if out.finished:
             for callback in self.on_finished:
-                callback(out)
+                try:
+                    callback(out)
+                except Exception:  # noqa: BLE001 - a broken observer must not lose the stream's end
+                    logger.exception("on_finished callback failed for request %s", out.request_id)
             target = self._streams.pop(out.request_id, None)
         else:
             target = self._streams.get(out.request_id)
