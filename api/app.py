@@ -14,8 +14,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
 
+from api.console import install_console
 from api.errors import install_error_handlers
-from api.routes import adapters, admin, health, openai
+from api.routes import adapters, admin, health, openai, usage
 from api.state import AppState
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,9 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
     app = FastAPI(title="loraserve", version="0.1.0", lifespan=lifespan)
     app.state.loraserve = state
     install_error_handlers(app)
-    for router in (openai.router, adapters.router, admin.router, health.router, *extra_routers):
+    for router in (openai.router, adapters.router, admin.router, health.router, usage.router, *extra_routers):
         app.include_router(router)
+    install_console(app, state)  # the admin web console under /admin (api/console/README.md)
     return app
 
 

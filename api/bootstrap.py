@@ -14,6 +14,7 @@ import shlex
 from api.admission import Admission
 from api.demo import ensure_demo_checkpoint, ensure_demo_tenant
 from api.keyfiles import ADMIN_KEY_FILE, SERVER_SECRET_FILE, new_admin_key, read_or_create_secret
+from api.metering_service import install as install_metering
 from api.settings import Settings
 from api.state import AppState
 from base_engine.async_engine import AsyncEngine
@@ -61,6 +62,7 @@ def build_state(settings: Settings) -> AppState:
         admission=Admission(settings.max_in_flight),
         admin_key_created=admin_created,
     )
+    install_metering(state)  # quotas, usage meter (replays a crashed run's journal), metrics
     if settings.is_demo:
         state.demo = ensure_demo_tenant(
             sessions=sessions,

@@ -41,6 +41,7 @@ class GenerationPlan:
     stream: bool
     include_usage: bool
     num_top_logprobs: int | None  # None = no logprobs asked
+    is_started: bool = False  # run_choices began: from then on it reports every engine request's end
 
 
 class RequestTimeout(Exception):
@@ -140,9 +141,12 @@ async def run_choices(state: AppState, plan: GenerationPlan) -> AsyncIterator[tu
         try:
             async for out in engine.generate(request):
                 queue.put_nowait((index, out))
-        except ValueError as exc:  # refused by the engine's own validation
-            queue.put_nowait((index, _failed(request, str(exc))))
+        except ValueError as exc:  # refused by the engine's own validation: it never saw the request
+            failed = _failed(request, str(exc))
+            state.inflight.on_engine_finished(failed)  # so the request still ends (and is metered) once
+            queue.put_nowait((index, failed))
 
+    plan.is_started = True
     state.inflight.add(ctx)
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(plan.requests)]
     loop = asyncio.get_running_loop()
@@ -168,6 +172,17 @@ async def run_choices(state: AppState, plan: GenerationPlan) -> AsyncIterator[tu
                 engine.abort(request.request_id)  # the engine's on_finished drops it from inflight
             else:
                 state.inflight.discard(request)
+
+
+def abandon_unstarted(state: AppState, plan: GenerationPlan) -> None:
+    """End an admitted request whose outputs were never asked for (the client left before its stream
+    or handler started), so that it is reported finished, aborted, exactly like any other abort."""
+    if plan.is_started:
+        return
+    plan.is_started = True
+    state.inflight.add(plan.ctx)
+    for request in plan.requests:
+        state.inflight.discard(request)
 
 
 async def collect(state: AppState, plan: GenerationPlan) -> list[RequestOutput]:

@@ -26,6 +26,7 @@ from api.errors import APIError
 from api.generation import (
     GenerationPlan,
     RequestTimeout,
+    abandon_unstarted,
     collect,
     plan_generation,
     run_choices,
@@ -77,7 +78,11 @@ async def create_completion(
         raise
     headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers}
     if plan.stream:
-        on_close = lambda: ticket.release(ctx.usage)
+
+        def on_close() -> None:
+            abandon_unstarted(state, plan)
+            ticket.release(ctx.usage)
+
         return _ClosingStream(
             stream_events(state, plan), on_close, media_type="text/event-stream", headers=headers
         )
@@ -86,6 +91,7 @@ async def create_completion(
     except APIError as exc:
         return exc.response(headers)
     finally:
+        abandon_unstarted(state, plan)
         ticket.release(ctx.usage)
     return JSONResponse(_response_body(state, plan, finals), headers=headers)
 

@@ -52,6 +52,12 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(512 << 20, ge=1)  # whole multipart body of an adapter upload
     disk_cache_bytes: int = Field(4 << 30, ge=1)  # local adapter tier (registry.disk_cache.DiskTier)
 
+    # Per-tenant rate limits used when a tenant has none of its own (None = unlimited; api/quotas.py).
+    default_rpm: int | None = Field(None, ge=0)
+    default_tpm: int | None = Field(None, ge=0)
+    default_max_concurrent: int | None = Field(None, ge=0)
+    usage_flush_interval_s: float = Field(1.0, gt=0)  # usage records are written in batches this often
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.max_cpu_loras < self.max_loras:

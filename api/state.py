@@ -29,6 +29,9 @@ from adapters.validation import validate_adapter
 from api.admission import Admission, InFlight, Release
 from api.context import RequestContext
 from api.keyfiles import tenant_cache_salt
+from api.metering import UsageMeter
+from api.metrics import Metrics
+from api.quotas import QuotaLimiter
 from api.settings import Settings
 from base_engine.async_engine import AsyncEngine
 from base_engine.engine import DTYPES
@@ -66,6 +69,10 @@ class AppState:
     on_admitted: list[Callable[[RequestContext], None]] = field(default_factory=list)
     on_drain: list[Callable[[], Any]] = field(default_factory=list)  # sync or async; run once
     demo: DemoInfo | None = None
+    # Issue 7, set by api.metering_service.install: usage meter, Prometheus metrics, rate limits.
+    meter: UsageMeter | None = None
+    metrics: Metrics | None = None
+    quotas: QuotaLimiter | None = None
     admin_key_created: bool = False
 
     @property

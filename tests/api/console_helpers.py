@@ -26,14 +26,6 @@ ADMIN = "lsa-console-test-admin-key"
 BASE_URL = "http://127.0.0.1:8000"
 
 
-def _install(app: FastAPI, state: AppState) -> None:
-    # Until api/app.py mounts the console itself.
-    if not hasattr(app.state, "console"):
-        from api.console import install_console
-
-        install_console(app, state)
-
-
 @contextmanager
 def console_app(model_dir: Path, tmp: Path) -> Iterator[tuple[FastAPI, AppState]]:
     """The real app on `model_dir` with its data in `tmp`, engine running while the block lasts."""
@@ -51,7 +43,6 @@ def console_app(model_dir: Path, tmp: Path) -> Iterator[tuple[FastAPI, AppState]
     )
     state = build_state(settings)
     app = create_app(state)
-    _install(app, state)
     with TestClient(app, base_url=BASE_URL):  # runs the lifespan: the engine thread
         yield app, state
 

@@ -1,0 +1,107 @@
+"""The Overview page's data: eight live numbers, their last 15 minutes, adapter residency, alarms.
+
+The eight numbers are the ones that explain an incident (../shared/reference/platform.md, section 2):
+four timers at p50/p95/p99 over the last minute (time to first token, inter-token latency, queue
+time, prefill time), and four engine gauges (KV cache usage, requests waiting, preemptions,
+prefix-cache hit rate). Timers and rates come from the metrics ring (`Metrics.timeseries()`,
+sampled every 2 s); the gauges are read live from the engine, so the page moves even between samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from api.console.alarms import AlarmConfig, evaluate
+from api.console.goodput import GoodputWindow
+from api.state import AppState
+from base_engine.outputs import EngineStats
+
+TIMERS = ("ttft", "itl", "queue", "prefill")
+PERCENTILES = ("p50", "p95", "p99")
+GAUGES = ("kv_cache_usage", "num_waiting", "preemptions", "prefix_cache_hit_rate")
+
+
+def _timeseries(state: AppState) -> dict[str, Any]:
+    if state.metrics is None:  # a server built without issue 7's metrics: live gauges only
+        return {"t": [], "series": {}, "interval_s": None, "window_s": None}
+    return dict(state.metrics.timeseries())
+
+
+def _latest(values: list[Any]) -> Any:
+    return values[-1] if values else None
+
+
+def _num(value: object) -> float:
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def live_numbers(stats: EngineStats, ts: dict[str, Any]) -> dict[str, Any]:
+    series = ts.get("series", {})
+    numbers: dict[str, Any] = {
+        timer: {p: _latest(series.get(f"{timer}_{p}", [])) for p in PERCENTILES} for timer in TIMERS
+    }
+    recent_preemptions = sum(v for v in series.get("preemptions", [])[-30:] if v is not None)
+    cumulative_hit_rate = (
+        stats.num_prefix_hits / stats.num_prefix_queries if stats.num_prefix_queries else None
+    )
+    hit_rates = [v for v in series.get("prefix_cache_hit_rate", []) if v is not None]
+    numbers |= {
+        "kv_cache_usage": stats.kv_cache_usage,
+        "num_waiting": stats.num_waiting,
+        "num_running": stats.num_running,
+        "preemptions": stats.num_preemptions,
+        "preemptions_recent": recent_preemptions,
+        # The latest interval's rate when there was traffic, else the engine's lifetime rate.
+        "prefix_cache_hit_rate": hit_rates[-1] if hit_rates else cumulative_hit_rate,
+    }
+    return numbers
+
+
+def residency(state: AppState, stats: EngineStats) -> dict[str, Any]:
+    a = stats.adapters
+    pinned = a.get("pinned", [])
+    return {
+        "gpu": {
+            "used": int(_num(a.get("num_gpu"))),
+            "total": int(_num(a.get("num_slots"))),
+            "pinned": len(pinned) if isinstance(pinned, list) else 0,
+        },
+        "cpu": {"used": int(_num(a.get("num_cpu"))), "total": state.settings.max_cpu_loras},
+        "disk": {
+            "used": len(state.disk.entries()),
+            "bytes": state.disk.num_bytes,
+            "max_bytes": state.disk.max_bytes,
+        },
+    }
+
+
+def overview(state: AppState, goodput: GoodputWindow, alarm_config: AlarmConfig) -> dict[str, Any]:
+    """Everything the Overview page shows, as JSON for its refresh loop."""
+    stats = state.engine.stats()
+    ts = _timeseries(state)
+    good = goodput.snapshot()
+    return {
+        "now": time.time(),
+        "numbers": live_numbers(stats, ts),
+        "t": ts.get("t", []),
+        "series": ts.get("series", {}),
+        "interval_s": ts.get("interval_s"),
+        "window_s": ts.get("window_s"),
+        "residency": residency(state, stats),
+        "goodput": {
+            "ratio": good.ratio,
+            "num_requests": good.num_requests,
+            "num_good": good.num_good,
+            "slo_ttft_s": goodput.slo.ttft_s,
+            "slo_tpot_s": goodput.slo.tpot_s,
+        },
+        "alarms": [asdict(a) for a in evaluate(ts, good, alarm_config)],
+        "engine": {
+            "num_running": stats.num_running,
+            "num_kv_blocks_used": stats.num_kv_blocks_used,
+            "num_kv_blocks_total": stats.num_kv_blocks_total,
+            "num_in_flight": state.admission.num_in_flight,
+        },
+    }

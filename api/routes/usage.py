@@ -1,0 +1,166 @@
+"""Usage for billing and Prometheus metrics (issue 7).
+
+- `GET /v1/usage` (tenant key): the caller's own totals, `start`/`end`/`group_by=day|adapter|key`.
+- `GET /admin/api/usage` (admin key): every tenant's totals, `group_by` also `tenant`, `tenant_id`
+  filter, `format=json|csv`.
+- `GET /admin/api/usage/export` (admin key): raw records as CloudEvents 1.0 JSON lines (`id` = request
+  id, so any billing system can dedupe), resumable: pass `X-Next-Cursor` back as `cursor`.
+- `GET /metrics`: Prometheus text format, unauthenticated as scrapers expect (bind the server to a
+  private interface in production).
+Every usage read flushes the meter first, so it includes each request that finished before it.
+Times are ISO 8601 (a date means midnight UTC; no zone means UTC) or Unix seconds; [start, end).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Response
+from sqlalchemy.orm import Session
+
+from api.deps import AdminDep, SessionDep, StateDep, TenantDep
+from api.errors import APIError
+from api.metering_service import refresh_engine_metrics
+from api.state import AppState
+from registry.usage import GroupBy, UsageGroup, export_usage, to_cloudevent, usage_summary
+
+router = APIRouter(tags=["usage"])
+COLUMNS = ("key", "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
+
+
+def parse_time(value: str | None, param: str) -> datetime | None:
+    if value is None or value == "":
+        return None
+    try:
+        parsed = datetime.fromtimestamp(float(value), UTC)
+    except ValueError:
+        try:
+            parsed = datetime.fromisoformat(value)
+        except ValueError:
+            raise APIError(
+                400,
+                f"{param} must be an ISO 8601 date/time or Unix seconds, got {value!r}",
+                param=param,
+                code="invalid_value",
+            ) from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def flush_usage(state: AppState) -> None:
+    if state.meter is None:
+        return
+    try:
+        state.meter.flush()
+    except Exception as exc:  # noqa: BLE001 - a read must not pretend to be complete
+        message = f"usage records cannot be written now: {type(exc).__name__}"
+        raise APIError(503, message, code="usage_unavailable") from exc
+
+
+def group_view(group: UsageGroup) -> dict[str, Any]:
+    return {name: getattr(group, name) for name in COLUMNS}
+
+
+@router.get("/v1/usage")
+def tenant_usage(
+    state: StateDep,
+    session: SessionDep,
+    caller: TenantDep,
+    start: str | None = None,
+    end: str | None = None,
+    group_by: Literal["day", "adapter", "key"] = "day",
+) -> dict[str, Any]:
+    flush_usage(state)
+    groups = usage_summary(
+        session,
+        tenant_id=caller.tenant.id,
+        start=parse_time(start, "start"),
+        end=parse_time(end, "end"),
+        group_by=group_by,
+    )
+    return {"object": "list", "data": [group_view(g) for g in groups]}
+
+
+def admin_summary(
+    session: Session,
+    *,
+    tenant_id: str | None,
+    start: datetime | None,
+    end: datetime | None,
+    group_by: GroupBy,
+) -> list[UsageGroup]:
+    """Across tenants, adapters are grouped per tenant ("<tenant id>/<name>@<version>"): two tenants'
+    adapters may share a name, and a bill line must belong to one tenant."""
+    if group_by != "adapter" or tenant_id is not None:
+        return usage_summary(session, tenant_id=tenant_id, start=start, end=end, group_by=group_by)
+    groups = []
+    for tenant in usage_summary(session, start=start, end=end, group_by="tenant"):
+        for g in usage_summary(session, tenant_id=tenant.key, start=start, end=end, group_by="adapter"):
+            groups.append(UsageGroup(f"{tenant.key}/{g.key}", *(getattr(g, c) for c in COLUMNS[1:])))
+    return groups
+
+
+@router.get("/admin/api/usage", response_model=None)
+def all_usage(
+    _: AdminDep,
+    state: StateDep,
+    session: SessionDep,
+    start: str | None = None,
+    end: str | None = None,
+    group_by: Literal["day", "adapter", "key", "tenant"] = "day",
+    tenant_id: str | None = None,
+    format: Literal["json", "csv"] = "json",  # noqa: A002 - the query parameter's name
+) -> dict[str, Any] | Response:
+    flush_usage(state)
+    start_at, end_at = parse_time(start, "start"), parse_time(end, "end")
+    groups = admin_summary(session, tenant_id=tenant_id, start=start_at, end=end_at, group_by=group_by)
+    if format == "json":
+        return {"object": "list", "data": [group_view(g) for g in groups]}
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\r\n")  # RFC 4180
+    writer.writerow(COLUMNS)
+    writer.writerows([getattr(g, c) for c in COLUMNS] for g in groups)
+    headers = {"Content-Disposition": f'attachment; filename="usage-by-{group_by}.csv"'}
+    return Response(out.getvalue(), media_type="text/csv; charset=utf-8", headers=headers)
+
+
+@router.get("/admin/api/usage/export")
+def export(
+    _: AdminDep,
+    state: StateDep,
+    session: SessionDep,
+    start: str | None = None,
+    end: str | None = None,
+    cursor: str | None = None,
+    limit: int = Query(1000, ge=1, le=10_000),
+    tenant_id: str | None = None,
+) -> Response:
+    flush_usage(state)
+    try:
+        page = export_usage(
+            session,
+            start=parse_time(start, "start"),
+            end=parse_time(end, "end"),
+            cursor=cursor,
+            limit=limit,
+            tenant_id=tenant_id,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="cursor", code="invalid_value") from None
+    body = "".join(json.dumps(to_cloudevent(r)) + "\n" for r in page.records)
+    headers = {"X-Has-More": "true" if page.has_more else "false"}
+    if page.next_cursor is not None:
+        headers["X-Next-Cursor"] = page.next_cursor
+    return Response(body, media_type="application/x-ndjson", headers=headers)
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(state: StateDep) -> Response:
+    if state.metrics is None:
+        raise APIError(404, "metrics are not enabled on this server", code="unknown_route")
+    refresh_engine_metrics(state)  # the gauges as of this scrape, not of the last sampler tick
+    payload, content_type = state.metrics.render()
+    return Response(payload, media_type=content_type)
