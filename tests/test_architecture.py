@@ -71,7 +71,9 @@ def test_environment_read_only_in_api_settings() -> None:
     for package in ("base_engine", "adapters", "registry", "kernels"):
         for path in package_files(package):
             text = path.read_text()
-            assert "os.environ" not in text and "getenv" not in text, f"{path.relative_to(ROOT)} reads the env"
+            assert "os.environ" not in text and "getenv" not in text, (
+                f"{path.relative_to(ROOT)} reads the env"
+            )
 
 
 def test_transformers_does_not_take_our_kernels_for_the_hub() -> None:

@@ -193,7 +193,9 @@ def test_slow_adapter_load_does_not_stall_other_requests(tiny_llama_dir, adapter
         release.wait(30)  # the "download" finishes only when the test says so
         return local_fetch(ref)
 
-    engine = LLMEngine(tiny_llama_dir, config=EngineConfig(num_kv_blocks=64, max_lora_rank=16), fetch=slow_fetch)
+    engine = LLMEngine(
+        tiny_llama_dir, config=EngineConfig(num_kv_blocks=64, max_lora_rank=16), fetch=slow_fetch
+    )
     engine.add_request("lora", [5, 6, 7], GREEDY, adapter=engine.lora.local_ref(adapters["qv8"]))
     engine.add_request("base", [8, 9, 10], GREEDY)
     finished = {}
