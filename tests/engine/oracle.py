@@ -13,18 +13,24 @@ def hf_greedy(
 ) -> tuple[list[int], list[dict[int, float]]]:
     """Reference greedy decode with transformers; returns tokens and top-`top` raw logprobs per step."""
     input_ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-            **kwargs,
-        )
+    # ignore_eos semantics: keep going past EOS without masking it (min_new_tokens would mask it).
+    config = getattr(model, "get_base_model", lambda: model)().generation_config  # PeftModel wraps
+    saved_eos = config.eos_token_id
+    config.eos_token_id = None
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+                **kwargs,
+            )
+    finally:
+        config.eos_token_id = saved_eos
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
     rows = []
     for logits in out.logits:
