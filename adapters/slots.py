@@ -63,6 +63,16 @@ class SlotPool:
                 )
             self.layers.append(per_proj)
 
+    @property
+    def num_bytes(self) -> int:
+        """Device memory the slot tensors hold (all slots, used or not)."""
+        return sum(
+            t.numel() * t.element_size()
+            for per_proj in self.layers
+            for proj in per_proj.values()
+            for t in (*proj.lora_a, *proj.lora_b)
+        )
+
     @staticmethod
     def bytes_per_slot(base: BaseModelShapes, max_rank: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()

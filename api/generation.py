@@ -25,7 +25,7 @@ from api.errors import APIError, model_not_found
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.sampling import check_stream_options, encode_chat_prompt, encode_completion_prompts, sampling_params
 from api.state import AppState
-from base_engine.async_engine import EngineRequest
+from base_engine.async_engine import EngineRequest, failed_output
 from base_engine.outputs import RequestOutput
 from registry.adapters import resolve_adapter
 from registry.errors import NotFound
@@ -114,17 +114,6 @@ def plan_generation(
     return GenerationPlan(ctx, requests, bool(body.stream), include_usage, top)
 
 
-def _failed(request: EngineRequest, error: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
-        token_ids=[],
-        text="",
-        finish_reason="error",
-        error=error,
-    )
-
-
 async def run_choices(state: AppState, plan: GenerationPlan) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) from every engine request of the plan, as they come.
 
@@ -142,7 +131,7 @@ async def run_choices(state: AppState, plan: GenerationPlan) -> AsyncIterator[tu
             async for out in engine.generate(request):
                 queue.put_nowait((index, out))
         except ValueError as exc:  # refused by the engine's own validation: it never saw the request
-            failed = _failed(request, str(exc))
+            failed = failed_output(request, str(exc))
             state.inflight.on_engine_finished(failed)  # so the request still ends (and is metered) once
             queue.put_nowait((index, failed))
 

@@ -146,7 +146,7 @@ class AsyncEngine:
                 arrival=arrival,
             )
         except Exception as exc:  # noqa: BLE001 - the request fails, the loop goes on
-            self._deliver(_failed(request, str(exc)))
+            self._deliver(failed_output(request, str(exc)))
 
     def _run(self) -> None:
         while not self._stop:
@@ -193,7 +193,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
 
-def _failed(request: EngineRequest, error: str) -> RequestOutput:
+def failed_output(request: EngineRequest, error: str) -> RequestOutput:
+    """The final output of a request that failed before producing anything."""
     return RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,

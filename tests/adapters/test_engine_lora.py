@@ -207,3 +207,12 @@ def test_slow_adapter_load_does_not_stall_other_requests(tiny_llama_dir, adapter
     while engine.has_unfinished:
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert finished["lora"].finish_reason == "length" and len(finished["lora"].token_ids) == MAX_NEW
+
+
+def test_stats_report_residency_bytes(tiny_llama_dir, adapters) -> None:
+    llm = LLM(tiny_llama_dir, num_kv_blocks=64, max_loras=2, max_lora_rank=16)
+    llm.generate(["hi"], GREEDY, adapters=[adapters["qv8"]])
+    stats = llm.engine.stats().adapters
+    size = (adapters["qv8"] / "adapter_model.safetensors").stat().st_size
+    assert stats["num_gpu"] == 1 and 0.9 * size <= stats["gpu_bytes"] <= size
+    assert stats["cpu_bytes"] == stats["gpu_bytes"] and stats["gpu_pool_bytes"] > stats["gpu_bytes"]
