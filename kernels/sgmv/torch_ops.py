@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kernels.sgmv import torch_loop, torch_padded
+from kernels.sgmv import torch_loop
 from kernels.sgmv.checks import LoraLayout, SlotParams
 from kernels.sgmv.meta import SgmvMeta
 
@@ -90,9 +90,6 @@ def add_lora_torch(
     layout: LoraLayout,
 ) -> None:
     if meta.num_active_rows == 0:
-        return
-    if torch_padded.use_padded(meta, params):
-        torch_padded.add_lora_padded(y, x, lora_a, lora_b, meta, params, layout)
         return
     if use_gather(meta, layout, params):
         delta = expand_gather(shrink_gather(x, lora_a, meta, params), lora_b, meta, params)
