@@ -1,7 +1,8 @@
 """Turns one scheduled step into flat tensors, runs the model and returns the rows to sample.
 
-Rows are laid out decodes first (contiguous, so decode attention needs no gather of queries), then
-prefill chunks: e.g. decodes a, b and chunks c (3 tokens), d (2) -> rows [a, b, c0, c1, c2, d0, d1].
+Rows are grouped by adapter slot (one contiguous run per adapter for the LoRA kernels), decodes
+first within a slot: e.g. base decode a, base chunk c (3 tokens), slot-0 decode b, slot-0 chunk d (2)
+-> rows [a, c0, c1, c2, b, d0, d1]; decode attention then gathers its queries from rows [0, 4].
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ class ModelRunner:
         self.rope(torch.tensor([max_model_len - 1]))  # build the whole table once, up front
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 and s.start > 0]
-        prefills = [s for s in sched.scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
-        order = decodes + prefills
+        # Rows grouped by adapter slot, so each adapter's rows form one contiguous run that the LoRA
+        # kernels update in place; within a slot, decodes first. Without adapters (all slots -1) this
+        # is simply decodes then prefills.
+        order = sorted(sched.scheduled, key=lambda s: (s.seq.adapter_slot, not _is_decode(s)))
+        decodes = [s for s in order if _is_decode(s)]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -63,7 +66,8 @@ class ModelRunner:
         sampled: list[ScheduledSeq] = []
         chunks: list[PrefillChunk] = []
         bs = self.block_size
-        for i, item in enumerate(order):
+        decode_rows: list[int] = []
+        for item in order:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             row = len(input_ids)
             input_ids += seq.token_ids(start, start + n)
@@ -75,12 +79,14 @@ class ModelRunner:
             if item.is_sampled:
                 sample_rows.append(row + n - 1)
                 sampled.append(item)
-            if i >= len(decodes):
+            if _is_decode(item):
+                decode_rows.append(row)
+            else:
                 block_table = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long)
                 chunks.append(
                     PrefillChunk(row, n, start, block_table, chunk_mask(start, n, self.sliding_window))
                 )
-        meta = self._decode_meta(decodes)
+        meta = self._decode_meta(decodes, decode_rows)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
         meta.prefills = chunks
         return StepBatch(
@@ -93,7 +99,7 @@ class ModelRunner:
             row_slots=row_slots,
         )
 
-    def _decode_meta(self, decodes: list[ScheduledSeq]) -> AttentionMetadata:
+    def _decode_meta(self, decodes: list[ScheduledSeq], rows: list[int]) -> AttentionMetadata:
         num = len(decodes)
         bs = self.block_size
         max_blocks = max((len(d.seq.block_table) for d in decodes), default=0)
@@ -108,12 +114,12 @@ class ModelRunner:
         mask = torch.zeros(valid.shape, dtype=self.dtype).masked_fill_(~valid, float("-inf"))
         return AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.long),
-            decode_rows=torch.arange(num, dtype=torch.long),
+            decode_rows=torch.tensor(rows, dtype=torch.long),
             decode_block_tables=tables,
             decode_mask=mask.view(num, 1, 1, max_blocks * bs),
             prefills=[],
             num_decodes=num,
-            is_decode_contiguous=True,
+            is_decode_contiguous=rows == list(range(num)),
         )
 
     def execute(self, batch: StepBatch, lora: LoraBatch | None = None) -> torch.Tensor:
@@ -135,3 +141,8 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     element = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
     return per_token * block_size
+
+
+def _is_decode(item: ScheduledSeq) -> bool:
+    """One new token with context before it: attended as part of the padded decode batch."""
+    return item.num_new_tokens == 1 and item.start > 0
