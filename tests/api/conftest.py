@@ -23,6 +23,10 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+
+from api.state import AppState
+from tests.api import console_helpers
 
 MAX_MODEL_LEN = 256
 MAX_UPLOAD_BYTES = 256 << 10
@@ -195,3 +199,17 @@ def server(
     finally:
         code = process.stop()
         assert code == 0, f"server exited with {code}:\n{process.log()[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def app_state(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[FastAPI, AppState]]:
+    """A console-enabled app in process, one per test module (the console tests' app)."""
+    with console_helpers.console_app(tiny_llama_dir, tmp_path_factory.mktemp("console")) as started:
+        yield started
+
+
+@pytest.fixture
+def app(app_state: tuple[FastAPI, AppState]) -> FastAPI:
+    return app_state[0]

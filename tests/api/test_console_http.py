@@ -6,36 +6,17 @@ tenant endpoints (a key works or not).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from fastapi import FastAPI
 
-from api.state import AppState
 from tests.api.console_helpers import (
     ADMIN,
     BASE_URL,
     admin_api,
     browser,
-    console_app,
     login,
     new_tenant_name,
 )
-
-
-@pytest.fixture(scope="module")
-def app_state(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[FastAPI, AppState]]:
-    with console_app(tiny_llama_dir, tmp_path_factory.mktemp("console")) as started:
-        yield started
-
-
-@pytest.fixture
-def app(app_state: tuple[FastAPI, AppState]) -> FastAPI:
-    return app_state[0]
-
 
 # ---- login and sessions -----------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -28,26 +28,12 @@ from registry.usage import UsageRecord, write_usage
 from tests.api.console_helpers import (
     admin_api,
     browser,
-    console_app,
     create_tenant,
     login,
     new_tenant_name,
     peft_adapter,
     tenant_key_works,
 )
-
-
-@pytest.fixture(scope="module")
-def app_state(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[FastAPI, AppState]]:
-    with console_app(tiny_llama_dir, tmp_path_factory.mktemp("console")) as started:
-        yield started
-
-
-@pytest.fixture
-def app(app_state: tuple[FastAPI, AppState]) -> FastAPI:
-    return app_state[0]
 
 
 @pytest.fixture

@@ -29,16 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def make_session(db_url: str) -> Iterator[Callable[[], Session]]:
-    upgrade(db_url)
-    engine = make_engine(db_url)
-    try:
-        yield session_factory(engine)
-    finally:
-        engine.dispose()
-
-
-@pytest.fixture
 def sqlite_session(tmp_path: Path) -> Iterator[Callable[[], Session]]:
     url = f"sqlite:///{tmp_path / 'usage.db'}"
     upgrade(url)

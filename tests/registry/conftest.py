@@ -18,7 +18,6 @@ from sqlalchemy.orm import Session
 
 from adapters.types import AdapterSummary, BaseModelShapes
 from adapters.validation import validate_adapter
-from registry.db import make_engine, session_factory, upgrade
 from registry.store import ObjectStore, open_store
 
 SHAPES = BaseModelShapes(
@@ -66,17 +65,6 @@ def write_adapter(
 @pytest.fixture
 def validate() -> Callable[[Path], AdapterSummary]:
     return functools.partial(validate_adapter, base=SHAPES, max_lora_rank=MAX_RANK, max_size_bytes=1 << 20)
-
-
-@pytest.fixture
-def make_session(db_url: str) -> Iterator[Callable[[], Session]]:
-    """Factory of sessions on a freshly migrated database (both backends); one per thread."""
-    upgrade(db_url)
-    engine = make_engine(db_url)
-    try:
-        yield session_factory(engine)
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture
