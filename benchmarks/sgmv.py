@@ -105,7 +105,11 @@ def bench_projection(
     num_slots = max(TOKEN_COUNTS)
     gen = torch.Generator(device=device).manual_seed(0)
     lora_a = [torch.randn(num_slots, RANK, h_in, generator=gen, device=device, dtype=dtype) for _ in outs]
-    lora_b = [torch.randn(num_slots, h, RANK, generator=gen, device=device, dtype=dtype) for h in outs]
+    # lora_b in the engine's slot-pool layout: stored rank-major, used as a [N, H_out, R] view.
+    lora_b = [
+        torch.randn(num_slots, RANK, h, generator=gen, device=device, dtype=dtype).transpose(1, 2)
+        for h in outs
+    ]
     scales = torch.full((num_slots,), 0.5, device=device)
     rows = []
     for num_tokens in TOKEN_COUNTS:
