@@ -75,6 +75,7 @@ class AdapterCache:
         self.slots = [_Slot() for _ in range(max_loras)]
         self.slot_of: dict[str, int] = {}  # ref.id -> device slot
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # ref.id -> parsed adapter, LRU order
+        self.host_bytes: dict[str, int] = {}  # ref.id -> bytes of its factors, computed once at load
         self.pending: dict[str, _Pending] = {}
         self.failed: dict[str, str] = {}  # ref.id -> why it cannot be served
         self.pinned: dict[str, AdapterRef] = {}  # operator pins, by ref.id
@@ -124,6 +125,7 @@ class AdapterCache:
             self.stats.num_loads += 1
             self.stats.load_seconds += time.monotonic() - pending.started
             self.host[ref_id] = adapter
+            self.host_bytes[ref_id] = adapter_bytes(adapter)
             self._trim_host()
         return failures
 
@@ -137,6 +139,7 @@ class AdapterCache:
             if victim is None:
                 return
             del self.host[victim]
+            del self.host_bytes[victim]
             self.stats.num_cpu_evictions += 1
 
     # ---- device slots -------------------------------------------------------------------------
@@ -215,6 +218,12 @@ class AdapterCache:
 
     def shutdown(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
+
+
+def adapter_bytes(adapter: LoraAdapter) -> int:
+    return sum(
+        p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in adapter.weights.values()
+    )
 
 
 def _pin_host_memory(adapter: LoraAdapter) -> LoraAdapter:

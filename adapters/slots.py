@@ -65,14 +65,11 @@ class SlotPool:
                     ranks=torch.zeros(len(modules), num_slots, dtype=torch.int32, device=device),
                 )
             self.layers.append(per_proj)
-
-    @property
-    def num_bytes(self) -> int:
-        """Device memory the slot tensors hold (all slots, used or not)."""
-        return sum(
+        # Device memory the slot tensors hold (all slots, used or not); fixed for the pool's life.
+        self.num_bytes = sum(
             t.numel() * t.element_size()
-            for per_proj in self.layers
-            for proj in per_proj.values()
+            for per in self.layers
+            for proj in per.values()
             for t in (*proj.lora_a, *proj.lora_b)
         )
 

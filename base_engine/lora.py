@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from adapters.cache import AdapterCache, Fetch
-from adapters.format import LoraAdapter
 from adapters.slots import SlotPool
 from adapters.types import AdapterRef
 from base_engine.lora_policy import LoraAdmissionPolicy
@@ -124,11 +123,9 @@ class LoraManager:
                     entry[key] += 1
         residency = self.cache.residency()
         return {
-            "gpu_bytes": sum(
-                adapter_bytes(self.cache.host[i]) for i in self.cache.slot_of if i in self.cache.host
-            ),
+            "gpu_bytes": sum(self.cache.host_bytes.get(i, 0) for i in self.cache.slot_of),
             "gpu_pool_bytes": self.cache.pool.num_bytes,
-            "cpu_bytes": sum(adapter_bytes(a) for a in self.cache.host.values()),
+            "cpu_bytes": sum(self.cache.host_bytes.values()),
             "num_slots": self.cache.pool.num_slots,
             "num_gpu": sum(1 for t in residency.values() if t == "gpu"),
             "num_cpu": len(self.cache.host),
@@ -143,12 +140,6 @@ class LoraManager:
             "cpu_evictions": s.num_cpu_evictions,
             "per_adapter": per_adapter,
         }
-
-
-def adapter_bytes(adapter: LoraAdapter) -> int:
-    return sum(
-        p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in adapter.weights.values()
-    )
 
 
 def make_lora_manager(engine: LLMEngine, fetch: Fetch | None) -> LoraManager:
