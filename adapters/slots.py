@@ -15,6 +15,7 @@ import torch
 
 from adapters.format import LoraAdapter
 from adapters.types import BaseModelShapes
+from kernels.sgmv.layout import alloc_stacks
 
 # Packed projection -> the checkpoint modules it stacks, in output-column order.
 PACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -51,27 +52,19 @@ class SlotPool:
             per_proj = {}
             for packed, modules in PACKED_PROJECTIONS.items():
                 shapes = [base.module_shape(m) for m in modules]  # (in, out) each
+                # the layout the kernels read best on this device (kernels/sgmv/layout.py)
+                lora_a, lora_b = alloc_stacks(
+                    num_slots, max_rank, shapes[0][0], [o for _, o in shapes], dtype=dtype, device=device
+                )
                 per_proj[packed] = ProjectionSlots(
-                    lora_a=[
-                        torch.zeros(num_slots, max_rank, i, dtype=dtype, device=device) for i, _ in shapes
-                    ],
-                    # Stored rank-major, handed out as a transposed view [N, H_out, R]: the expand then
-                    # streams contiguous H_out rows (2x the GEMV bandwidth of [H_out, R] rows on CPU).
-                    lora_b=[
-                        torch.zeros(num_slots, max_rank, o, dtype=dtype, device=device).transpose(1, 2)
-                        for _, o in shapes
-                    ],
+                    lora_a=lora_a,
+                    lora_b=lora_b,
                     scales=torch.zeros(len(modules), num_slots, dtype=torch.float32, device=device),
                     ranks=torch.zeros(len(modules), num_slots, dtype=torch.int32, device=device),
                 )
             self.layers.append(per_proj)
         # Device memory the slot tensors hold (all slots, used or not); fixed for the pool's life.
-        self.num_bytes = sum(
-            t.numel() * t.element_size()
-            for per in self.layers
-            for proj in per.values()
-            for t in (*proj.lora_a, *proj.lora_b)
-        )
+        self.num_bytes = self.bytes_per_slot(base, max_rank, dtype) * num_slots
 
     @staticmethod
     def bytes_per_slot(base: BaseModelShapes, max_rank: int, dtype: torch.dtype) -> int:

@@ -9,7 +9,7 @@ the same run: a large tensor copy (bytes read + written) timed just before every
 `distinct_bw_fraction` is achieved / measured bandwidth at T=32 with 32 distinct adapters, over the three
 projections together (target >= 0.5).
 
-Usage: python benchmarks/sgmv.py --json [--backends torch,triton] [--repeats 7] [--threads 1]
+Usage: python benchmarks/sgmv.py --json [--backends torch,triton] [--repeats 7] [--threads N]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.sgmv import add_lora, build_meta  # noqa: E402
+from kernels.sgmv.layout import alloc_stacks  # noqa: E402
 
 RANK = 16
 TOKEN_COUNTS = (1, 8, 32, 128)
@@ -104,12 +105,10 @@ def bench_projection(
     h_in, outs = PROJECTIONS[name]
     num_slots = max(TOKEN_COUNTS)
     gen = torch.Generator(device=device).manual_seed(0)
-    lora_a = [torch.randn(num_slots, RANK, h_in, generator=gen, device=device, dtype=dtype) for _ in outs]
-    # lora_b in the engine's slot-pool layout: stored rank-major, used as a [N, H_out, R] view.
-    lora_b = [
-        torch.randn(num_slots, RANK, h, generator=gen, device=device, dtype=dtype).transpose(1, 2)
-        for h in outs
-    ]
+    # the engine's slot-pool layout for this device (on CPU: the A factors of all slices interleaved)
+    lora_a, lora_b = alloc_stacks(num_slots, RANK, h_in, outs, dtype=dtype, device=device)
+    for w in (*lora_a, *lora_b):
+        w.copy_(torch.randn(w.shape, generator=gen, device=device, dtype=dtype))
     scales = torch.full((num_slots,), 0.5, device=device)
     rows = []
     for num_tokens in TOKEN_COUNTS:
@@ -165,10 +164,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line (the only output format)")
     parser.add_argument("--backends", default="", help="comma list; default torch, plus triton on CUDA")
     parser.add_argument("--repeats", type=int, default=7)
-    # One thread by default: the twin is a chain of per-adapter GEMVs that one core keeps memory-bound,
-    # while 2 OpenMP threads on a shared 2-vCPU machine stall at every barrier (identical-adapter GEMMs
-    # were seen 10-30x slower). The copy that stands for the machine's bandwidth always gets every core.
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads for add_lora; 0: torch's")
+    # Every core by default, as the copy that stands for the machine's bandwidth: on CPU the twin is a few
+    # large embedding_bag calls per projection (bag schedule), which OpenMP splits over the batch rows.
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads for add_lora; 0: torch's")
     args = parser.parse_args()
     copy_threads = torch.get_num_threads()
     if args.threads:

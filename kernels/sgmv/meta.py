@@ -11,7 +11,7 @@ let the kernels size their launch grids without reading device memory again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -43,6 +43,8 @@ class SgmvMeta:
     seg_lens_host: tuple[int, ...]
     seg_slots_host: tuple[int, ...]
     sorted_rows_host: tuple[int, ...]  # [M], lets the CPU twin address one-row segments without a gather
+    # Per-step derived data the twin builds once and every layer reuses (bag plans and indices).
+    scratch: dict = field(default_factory=dict, repr=False)
 
     @property
     def device(self) -> torch.device:
