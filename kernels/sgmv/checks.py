@@ -6,7 +6,7 @@ Nothing here reads device memory when the caller passes a prebuilt `SgmvMeta` (s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +134,24 @@ def _per_slot(name: str, t: Tensor, layout: LoraLayout, dtypes: tuple[torch.dtyp
     return t.expand(s, n)
 
 
+def _memo_host(t: Tensor, key: tuple, convert: Callable[[], tuple]) -> tuple:
+    """convert(), memoised on the tensor t until t (or its storage, through any view) is next modified.
+
+    The engine passes the same slot-pool scales/ranks tensors at every layer of every step and changes
+    them only when an adapter is written into a slot; their version counter tells when that happened.
+    """
+    try:
+        version = t._version
+    except RuntimeError:  # inference-mode tensors carry no version counter: no memo
+        return convert()
+    memo = getattr(t, "_sgmv_host_memo", None)
+    if memo is not None and memo[0] == version and memo[1] == key:
+        return memo[2]
+    value = convert()
+    t._sgmv_host_memo = (version, key, value)
+    return value
+
+
 def slot_params(
     scales: Tensor, ranks: Tensor | None, layout: LoraLayout, device: torch.device, *, may_sync: bool
 ) -> SlotParams:
@@ -145,9 +163,10 @@ def slot_params(
     scales_2d = _per_slot(
         "scales", scales, layout, (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     )
-    scales_host = (
-        tuple(tuple(row) for row in scales_2d.float().tolist()) if scales.device.type == "cpu" else None
-    )
+    key = (layout.num_slices, layout.num_slots, layout.max_rank)
+    scales_host = None
+    if scales.device.type == "cpu":
+        scales_host = _memo_host(scales, key, lambda: tuple(tuple(row) for row in scales_2d.float().tolist()))
     scales_2d = scales_2d.to(device=device, dtype=torch.float32)
     if ranks is None:
         full = torch.full(
@@ -158,12 +177,15 @@ def slot_params(
     ranks_2d = _per_slot("ranks", ranks, layout, INT_DTYPES)
     host = None
     if ranks_2d.device.type == "cpu" or may_sync:
-        host = tuple(tuple(row) for row in ranks_2d.tolist())
-        for s, row in enumerate(host):
-            for slot, rank in enumerate(row):
-                if not 0 <= rank <= layout.max_rank:
-                    where = f"{s}, {slot}" if ranks.dim() == 2 else f"{slot}"
-                    raise ValueError(
-                        f"ranks[{where}] = {rank}: expected 0 <= rank <= R_max={layout.max_rank}"
-                    )
+        host = _memo_host(ranks, key, lambda: _checked_ranks(ranks_2d, ranks.dim(), layout.max_rank))
     return SlotParams(scales_2d, ranks_2d.to(device=device, dtype=torch.int32), host, scales_host)
+
+
+def _checked_ranks(ranks_2d: Tensor, given_dims: int, max_rank: int) -> tuple[tuple[int, ...], ...]:
+    host = tuple(tuple(row) for row in ranks_2d.tolist())
+    for s, row in enumerate(host):
+        for slot, rank in enumerate(row):
+            if not 0 <= rank <= max_rank:
+                where = f"{s}, {slot}" if given_dims == 2 else f"{slot}"
+                raise ValueError(f"ranks[{where}] = {rank}: expected 0 <= rank <= R_max={max_rank}")
+    return host

@@ -27,7 +27,13 @@ from kernels.sgmv.checks import LoraLayout, SlotParams
 from kernels.sgmv.layout import BagTables
 from kernels.sgmv.meta import SgmvMeta
 
-BAG_MAX_SEGMENT_ROWS = 8  # longer segments are GEMMs in the loop (the weights stay in cache across rows)
+# A bag row re-reads its adapter's weights (from cache after the first row of a segment), a GEMM in the
+# loop reads them once but costs ~10 us of dispatch per slice: segments up to BAG_SEGMENT_BYTES of
+# weight reads take bags. Measured at bench-small shapes (~160 KB per row and projection), 32 rows as
+# 32/16/8 segments: bags 6.5/5.4/4.5 ms per layer vs the loop's 13.3/8.6/5.3; at Llama-8B shapes
+# (~1.2 MB per row) the loop wins from 2 rows on.
+BAG_SEGMENT_BYTES = 1 << 20
+BAG_MAX_SEGMENT_ROWS = 8
 BAG_MIN_SEGMENTS = 2  # one adapter alone is one GEMM in the loop already
 SUM = 0  # embedding_bag mode
 
@@ -41,15 +47,25 @@ class BagPlan(NamedTuple):
     distinct_slots: tuple[int, ...]
     all_rows: bool  # rows == 0..T-1: x and y are used whole (no gather, no scatter)
     long_segments: tuple[int, ...]  # indices of the segments left to the loop
+    bags: dict  # bag indices and offsets per table width / ranks, built on first use, reused by all layers
 
 
-def plan(meta: SgmvMeta) -> BagPlan | None:
-    """Short segments' rows, or None when fewer than BAG_MIN_SEGMENTS segments are short."""
-    if "bag_plan" in meta.scratch:
-        return meta.scratch["bag_plan"]
+def max_segment_rows(layout: LoraLayout, element_size: int) -> int:
+    """Longest segment that takes bags for this projection's weight sizes (at least 1: decodes)."""
+    row_bytes = (
+        element_size * layout.max_rank * (layout.hidden_in * layout.num_slices + sum(layout.out_sizes))
+    )
+    return max(1, min(BAG_MAX_SEGMENT_ROWS, BAG_SEGMENT_BYTES // max(row_bytes, 1)))
+
+
+def plan(meta: SgmvMeta, max_rows: int) -> BagPlan | None:
+    """Rows of the segments of <= max_rows rows; None when fewer than BAG_MIN_SEGMENTS are that short."""
+    key = ("bag_plan", max_rows)
+    if key in meta.scratch:
+        return meta.scratch[key]
     short, long = [], []
     for g, length in enumerate(meta.seg_lens_host):
-        (short if length <= BAG_MAX_SEGMENT_ROWS else long).append(g)
+        (short if length <= max_rows else long).append(g)
     result = None
     if len(short) >= BAG_MIN_SEGMENTS:
         pairs = sorted(
@@ -66,20 +82,21 @@ def plan(meta: SgmvMeta) -> BagPlan | None:
             distinct_slots=tuple(meta.seg_slots_host[g] for g in short),
             all_rows=len(rows_host) == meta.num_tokens,
             long_segments=tuple(long),
+            bags={},
         )
-    meta.scratch["bag_plan"] = result
+    meta.scratch[key] = result
     return result
 
 
 def _bags(meta: SgmvMeta, bag_plan: BagPlan, width: int) -> tuple[Tensor, Tensor]:
     """Full bags of `width` rows per batch row: indices slot * width + j, offsets t * width."""
     key = ("bags", width)
-    if key not in meta.scratch:
+    if key not in bag_plan.bags:
         steps = torch.arange(width, dtype=torch.int64, device=meta.device)
         indices = (bag_plan.slots[:, None] * width + steps[None, :]).reshape(-1)
         offsets = torch.arange(0, len(bag_plan.slots_host) * width, width, device=meta.device)
-        meta.scratch[key] = (indices, offsets)
-    return meta.scratch[key]
+        bag_plan.bags[key] = (indices, offsets)
+    return bag_plan.bags[key]
 
 
 def _rank_bags(
@@ -87,13 +104,13 @@ def _rank_bags(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Bags of the first r(row) ranks: (indices, offsets, keep [M, R_max] bool) for one slice's ranks."""
     key = ("rank_bags", max_rank, ranks)
-    if key not in meta.scratch:
+    if key not in bag_plan.bags:
         full, _ = _bags(meta, bag_plan, max_rank)
         row_ranks = torch.tensor(ranks, dtype=torch.int64, device=meta.device)
         keep = torch.arange(max_rank, device=meta.device)[None, :] < row_ranks[:, None]
         offsets = torch.cumsum(row_ranks, 0) - row_ranks
-        meta.scratch[key] = (full.view(-1, max_rank)[keep], offsets, keep)
-    return meta.scratch[key]
+        bag_plan.bags[key] = (full.view(-1, max_rank)[keep], offsets, keep)
+    return bag_plan.bags[key]
 
 
 def _embedding_bag(table: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor) -> Tensor:

@@ -32,11 +32,11 @@ class Segment(NamedTuple):
     is_contiguous: bool  # rows are row, row + 1, ..., row + length - 1 (one request's prefill, a decode row)
 
 
-def segments(meta: SgmvMeta, only: Sequence[int] | None = None) -> Iterator[Segment]:
-    """The meta's segments (or those whose indices are in `only`), in slot order."""
+def segments(meta: SgmvMeta) -> Iterator[Segment]:
     rows = meta.sorted_rows_host
-    for g in range(meta.num_segments) if only is None else only:
-        start, length, slot = meta.seg_starts_host[g], meta.seg_lens_host[g], meta.seg_slots_host[g]
+    for start, length, slot in zip(
+        meta.seg_starts_host, meta.seg_lens_host, meta.seg_slots_host, strict=True
+    ):
         # rows of a segment ascend (stable sort), so they are contiguous iff they span exactly `length`
         yield Segment(slot, start, length, rows[start], rows[start + length - 1] - rows[start] == length - 1)
 
@@ -78,24 +78,12 @@ def add_rows(y: Tensor, rows: Tensor, delta: Tensor) -> None:
 
 
 def shrink_segment(
-    x: Tensor,
-    lora_a: Sequence[Tensor],
-    meta: SgmvMeta,
-    seg: Segment,
-    ranks: Ranks,
-    table_a: Tensor | None = None,
+    x: Tensor, lora_a: Sequence[Tensor], meta: SgmvMeta, seg: Segment, ranks: Ranks
 ) -> list[Tensor]:
-    """Per slice, x[rows] @ A[s][a, :r].T, unscaled: [r] for one row, else [len, r].
-
-    With `table_a` (the CPU layout's `[N * H_in, R_max * S]` table, see layout.py) all slices are one
-    matmul against the slot's contiguous `[H_in, R_max * S]` block; the columns beyond each slice's rank
-    are computed (from padding, possibly NaN) and cut off here, never used.
-    """
+    """Per slice, x[rows] @ A[s][a, :r].T, unscaled: [r] for one row, else [len, r]."""
     x_seg = segment_rows(x, meta, seg)
     if x_seg.dtype != torch.float32:
         x_seg = x_seg.float()
-    if table_a is not None:
-        return _shrink_fused(x_seg, table_a, len(lora_a), seg, ranks)
     parts: list[Tensor | None] = []
     for s, a_stack in enumerate(lora_a):
         rank = ranks[s][seg.slot]
@@ -106,16 +94,6 @@ def shrink_segment(
         # GEMV for one row: markedly faster than a one-row GEMM on CPU
         parts.append(torch.mv(w, x_seg) if seg.length == 1 else torch.mm(x_seg, w.t()))
     return parts
-
-
-def _shrink_fused(x_seg: Tensor, table_a: Tensor, num_slices: int, seg: Segment, ranks: Ranks) -> list:
-    hidden_in = x_seg.shape[-1]
-    block = table_a.narrow(0, seg.slot * hidden_in, hidden_in)  # [H_in, R_max * S], contiguous
-    if seg.length == 1:
-        v = torch.mv(block.t(), x_seg).view(-1, num_slices)  # [R_max, S]
-        return [v[: ranks[s][seg.slot], s] if ranks[s][seg.slot] else None for s in range(num_slices)]
-    v = torch.mm(x_seg, block).view(seg.length, -1, num_slices)  # [len, R_max, S]
-    return [v[:, : ranks[s][seg.slot], s] if ranks[s][seg.slot] else None for s in range(num_slices)]
 
 
 def expand_segment(

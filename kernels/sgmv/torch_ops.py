@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kernels.sgmv import torch_bag, torch_loop
+from kernels.sgmv import torch_bag, torch_fused, torch_loop
 from kernels.sgmv.checks import LoraLayout, SlotParams
 from kernels.sgmv.layout import bag_tables
 from kernels.sgmv.meta import SgmvMeta
@@ -92,24 +92,27 @@ def add_lora_torch(
 ) -> None:
     if meta.num_active_rows == 0:
         return
-    # The CPU layout (layout.py) in fp32 with host ranks and scales: bag schedule and fused shrinks.
+    # The CPU layout (layout.py) in fp32 with host ranks and scales: bag schedule and fused segment loop.
     host = params.ranks_host is not None and params.scales_host is not None
     tables = bag_tables(lora_a, lora_b) if host and x.dtype == torch.float32 else None
-    bag_plan = torch_bag.plan(meta) if tables is not None else None
-    if bag_plan is not None and tables is not None:
-        torch_bag.add_lora_bag(y, x, tables, meta, bag_plan, params, layout)
-        if not bag_plan.long_segments:
+    if tables is not None:
+        bag_plan = torch_bag.plan(meta, torch_bag.max_segment_rows(layout, x.element_size()))
+        if bag_plan is None:
+            torch_fused.add_lora_segments(y, x, tables, meta, params, layout)
             return
-    elif tables is None and use_gather(meta, layout, params):
+        torch_bag.add_lora_bag(y, x, tables, meta, bag_plan, params, layout)
+        if bag_plan.long_segments:
+            torch_fused.add_lora_segments(y, x, tables, meta, params, layout, bag_plan.long_segments)
+        return
+    if use_gather(meta, layout, params):
         delta = expand_gather(shrink_gather(x, lora_a, meta, params), lora_b, meta, params)
         torch_loop.add_rows(y, meta.sorted_rows, delta)
         return
     ranks, scales = params.ranks_host, params.scales_host
     assert ranks is not None and scales is not None  # use_gather() said so
     y_slices = torch_loop.column_slices(y, layout)
-    table_a = None if tables is None else tables.a
-    for seg in torch_loop.segments(meta, None if bag_plan is None else bag_plan.long_segments):
-        parts = torch_loop.shrink_segment(x, lora_a, meta, seg, ranks, table_a)
+    for seg in torch_loop.segments(meta):
+        parts = torch_loop.shrink_segment(x, lora_a, meta, seg, ranks)
         torch_loop.expand_segment(y_slices, parts, lora_b, meta, seg, ranks, scales)
 
 

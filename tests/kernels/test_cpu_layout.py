@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from kernels.sgmv import build_meta, sgmv_expand, sgmv_shrink, torch_bag, torch_loop
+from kernels.sgmv import build_meta, sgmv_expand, sgmv_shrink, torch_bag, torch_fused
 from kernels.sgmv.layout import alloc_stacks, bag_tables
 from tests.kernels.reference import (
     POPULARITIES,
@@ -59,7 +59,7 @@ class Spy:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bag = self.fused = 0
-        bag, fused = torch_bag.add_lora_bag, torch_loop._shrink_fused
+        bag, fused = torch_bag.add_lora_bag, torch_fused.add_lora_segments
 
         def count_bag(*args: object) -> None:
             self.bag += 1
@@ -70,7 +70,7 @@ class Spy:
             return fused(*args)
 
         monkeypatch.setattr(torch_bag, "add_lora_bag", count_bag)
-        monkeypatch.setattr(torch_loop, "_shrink_fused", count_fused)
+        monkeypatch.setattr(torch_fused, "add_lora_segments", count_fused)
 
 
 def grid(count: int, seed: int) -> list[dict]:
@@ -183,3 +183,16 @@ def test_empty_and_all_none_batches_leave_y_alone() -> None:
         before = case.buf.clone()
         run_add_lora(case, "torch")
         assert torch.equal(case.buf, before)
+
+
+def test_scales_and_ranks_changed_in_place_are_seen_by_the_next_call() -> None:
+    """The host copies of scales/ranks are memoised per tensor version: a slot rewrite must show."""
+    case = cpu_case(num_tokens=6, hidden_in=16, out_sizes=(16, 8), num_slots=3, max_rank=4,
+                    popularity="distinct", seed=8, mixed_ranks=False)  # fmt: skip
+    meta = build_meta(case.token_slots, 3)
+    run_add_lora(case, "torch", meta=meta)
+    case.scales[..., 1] = 3.0  # as SlotPool.write does when a new adapter lands in slot 1
+    case.ranks[..., 2] = 2
+    expected, before = expected_output(case), case.buf.clone()
+    run_add_lora(case, "torch", meta=meta)
+    assert_matches(case, expected, before, torch.float32)
