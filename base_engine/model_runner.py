@@ -2,7 +2,8 @@
 
 Rows are grouped by adapter slot (one contiguous run per adapter for the LoRA kernels), decodes
 first within a slot: e.g. base decode a, base chunk c (3 tokens), slot-0 decode b, slot-0 chunk d (2)
--> rows [a, c0, c1, c2, b, d0, d1]; decode attention then gathers its queries from rows [0, 4].
+-> rows [a, c0, c1, c2, b, d0, d1]; decode attention then gathers its queries from rows [0, 4]
+(in length buckets, see attention.plan_decode_buckets).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from base_engine.attention import AttentionMetadata, PrefillChunk, chunk_mask
+from base_engine.attention import AttentionMetadata, PrefillChunk, build_decode_buckets, chunk_mask
 from base_engine.config import ModelConfig
 from base_engine.model import CausalLM, LoraBatch
 from base_engine.rope import RopeCache
@@ -100,26 +101,17 @@ class ModelRunner:
         )
 
     def _decode_meta(self, decodes: list[ScheduledSeq], rows: list[int]) -> AttentionMetadata:
-        num = len(decodes)
-        bs = self.block_size
-        max_blocks = max((len(d.seq.block_table) for d in decodes), default=0)
-        tables = torch.zeros((num, max_blocks), dtype=torch.long)
-        for i, d in enumerate(decodes):
-            tables[i, : len(d.seq.block_table)] = torch.tensor(d.seq.block_table, dtype=torch.long)
-        seq_lens = torch.tensor([d.start + 1 for d in decodes], dtype=torch.long).unsqueeze(1)
-        key_pos = torch.arange(max_blocks * bs).unsqueeze(0)  # [1, L]
-        valid = key_pos < seq_lens
-        if self.sliding_window is not None:
-            valid &= (seq_lens - 1 - key_pos) < self.sliding_window
-        mask = torch.zeros(valid.shape, dtype=self.dtype).masked_fill_(~valid, float("-inf"))
+        # Bucketed here, once per step, so every layer reuses the same block tables and masks.
+        buckets = build_decode_buckets(
+            rows,
+            [d.seq.block_table for d in decodes],
+            [d.start + 1 for d in decodes],  # the new token's K/V is written before attention reads
+            block_size=self.block_size,
+            sliding_window=self.sliding_window,
+            dtype=self.dtype,
+        )
         return AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.long),
-            decode_rows=torch.tensor(rows, dtype=torch.long),
-            decode_block_tables=tables,
-            decode_mask=mask.view(num, 1, 1, max_blocks * bs),
-            prefills=[],
-            num_decodes=num,
-            is_decode_contiguous=rows == list(range(num)),
+            slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=buckets, prefills=[]
         )
 
     def execute(self, batch: StepBatch, lora: LoraBatch | None = None) -> torch.Tensor:
@@ -144,5 +136,5 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 def _is_decode(item: ScheduledSeq) -> bool:
-    """One new token with context before it: attended as part of the padded decode batch."""
+    """One new token with context before it: attended in a decode bucket, not as a prefill chunk."""
     return item.num_new_tokens == 1 and item.start > 0
