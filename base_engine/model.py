@@ -27,6 +27,13 @@ PACKED: dict[str, tuple[str, int]] = {
 }
 
 
+# On CPU the LM head runs in vocabulary chunks: one GEMM per LOGITS_CHUNK rows of the weight keeps
+# its [rows, chunk] output tile in L2, where one [rows, vocab] GEMM streams a vocab-wide output
+# through memory. bench-small (hidden 512, vocab 32000, 2 threads): 64 rows 56 ms -> 27 ms,
+# 8 rows 23 -> 15 ms, 256 rows 110 -> 90 ms; 1 row unchanged (it is a weight-bandwidth GEMV).
+LOGITS_CHUNK = 1024
+
+
 class LoraBatch(Protocol):
     """Per-step multi-LoRA state: adds each row's adapter delta to a projection's output in place."""
 
@@ -159,4 +166,11 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        return self.lm_head(hidden).float()
+        weight = self.lm_head.weight  # [vocab, hidden]
+        vocab = weight.shape[0]
+        if hidden.device.type != "cpu" or vocab <= LOGITS_CHUNK:
+            return F.linear(hidden, weight).float()
+        out = hidden.new_empty(hidden.shape[0], vocab)
+        for start in range(0, vocab, LOGITS_CHUNK):
+            out[:, start : start + LOGITS_CHUNK] = F.linear(hidden, weight[start : start + LOGITS_CHUNK])
+        return out.float()

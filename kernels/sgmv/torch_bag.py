@@ -27,14 +27,16 @@ from kernels.sgmv.checks import LoraLayout, SlotParams
 from kernels.sgmv.layout import BagTables
 from kernels.sgmv.meta import SgmvMeta
 
-# A bag row re-reads its adapter's weights (from cache after the first row of a segment), a GEMM in the
-# loop reads them once but costs ~10 us of dispatch per slice: segments up to BAG_SEGMENT_BYTES of
-# weight reads take bags. Measured at bench-small shapes (~160 KB per row and projection), 32 rows as
-# 32/16/8 segments: bags 6.5/5.4/4.5 ms per layer vs the loop's 13.3/8.6/5.3; at Llama-8B shapes
-# (~1.2 MB per row) the loop wins from 2 rows on.
+# Bags vs the segment loop, measured at bench-small shapes (hidden 512, rank 16, 1 thread) per
+# projection: a bag row costs ~30-50 us (it re-reads its adapter's weights), a loop segment ~100 us
+# plus ~15 us per row (1 + S small GEMMs), and the bag schedule itself ~150 us once (index lists,
+# gathers, one call per slice). So bags pay for segments of 1-2 rows when there are several of them:
+# 32 one-row adapters 6.5 vs 13.3 ms per layer (bags vs loop), 16 two-row 5.4 vs 8.6 ms, while a Zipf
+# mix of 8 adapters over 64 rows is best all in the loop (3.9 ms; 4.8 with its 3-4 row segments in
+# bags). At Llama-8B widths (~1.2 MB of weights per row and projection) only one-row segments pay.
 BAG_SEGMENT_BYTES = 1 << 20
-BAG_MAX_SEGMENT_ROWS = 8
-BAG_MIN_SEGMENTS = 2  # one adapter alone is one GEMM in the loop already
+BAG_MAX_SEGMENT_ROWS = 2
+BAG_MIN_SEGMENTS = 4
 SUM = 0  # embedding_bag mode
 
 

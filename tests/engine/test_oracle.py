@@ -46,3 +46,24 @@ def test_greedy_matches_transformers(variant, make_checkpoint, hf_model_cache) -
         assert out.finish_reason == "length"
         compared += assert_greedy_match(out.token_ids, out.logprobs, ref_tokens, ref_lps, label=variant)
     assert compared >= 2 * MAX_NEW, "too many near-ties: the check compared almost nothing"
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-tied"])
+def test_chunked_lm_head_matches_transformers(
+    variant, make_checkpoint, hf_model_cache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU LM head in vocabulary chunks (an uneven last chunk here) still matches transformers."""
+    import base_engine.model
+
+    monkeypatch.setattr(base_engine.model, "LOGITS_CHUNK", 97)
+    model_dir = make_checkpoint(**VARIANTS[variant])
+    hf = hf_model_cache(model_dir)
+    assert hf.config.vocab_size > 97 and hf.config.vocab_size % 97
+    llm = LLM(model_dir, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24)
+    prompts = random_prompts(3, 500, 3, 30, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
+    compared = 0
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        ref_tokens, ref_lps = hf_greedy(hf, prompt, MAX_NEW)
+        compared += assert_greedy_match(out.token_ids, out.logprobs, ref_tokens, ref_lps, label=variant)
+    assert compared >= MAX_NEW

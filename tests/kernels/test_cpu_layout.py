@@ -114,14 +114,14 @@ def test_distinct_rows_take_the_bag_schedule(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_long_and_short_segments_split_between_bag_and_fused_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill run of 20 rows of one adapter (GEMM) beside three decode rows (bags), rows shuffled."""
+    """A prefill run of 20 rows of one adapter (GEMM) beside four decodes and a pair (bags), shuffled."""
     spy = Spy(monkeypatch)
-    case = make_case(num_tokens=23, hidden_in=48, out_sizes=(32, 16), num_slots=6, max_rank=8,
+    case = make_case(num_tokens=26, hidden_in=48, out_sizes=(32, 16), num_slots=7, max_rank=8,
                      popularity="distinct", dtype=torch.float32, seed=4, mixed_ranks=False)  # fmt: skip
-    slots = [2] * 20 + [0, 5, 3]
+    slots = [2] * 20 + [0, 5, 3, 6, 1, 1]
     random.Random(1).shuffle(slots)
     case.token_slots = torch.tensor(slots)
-    case.ranks = torch.tensor([[8, 1, 5, 2, 8, 3], [2, 8, 8, 4, 1, 6]])
+    case.ranks = torch.tensor([[8, 1, 5, 2, 8, 3, 7], [2, 8, 8, 4, 1, 6, 0]])
     case = to_cpu_layout(repoison(case))
     expected, before = expected_output(case), case.buf.clone()
     run_add_lora(case, "torch")
