@@ -13,6 +13,7 @@ v beyond a slice's rank come from padding (possibly NaN) and are never used.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -22,10 +23,42 @@ from kernels.sgmv.layout import BagTables
 from kernels.sgmv.meta import SgmvMeta
 
 
+class SlotViews(NamedTuple):
+    """Per-slot views of the stacks, made once per stack (views stay valid when slots are rewritten)."""
+
+    lora_a: tuple[Tensor, ...]  # the stacks these views belong to (identity check)
+    lora_b: tuple[Tensor, ...]
+    blocks: list[Tensor]  # [N] x [H_in, R_max * S]: A of all slices of a slot
+    b_full: list[list[Tensor]]  # [S][N] x [R_max, H_out_s]
+
+
+def slot_views(
+    lora_a: Sequence[Tensor], lora_b: Sequence[Tensor], tables: BagTables, layout: LoraLayout
+) -> SlotViews:
+    """The per-slot views, memoised on lora_a[0] (the engine passes the same stacks every step)."""
+    memo = getattr(lora_a[0], "_sgmv_slot_views", None)
+    if (
+        memo is not None
+        and len(memo.lora_a) == len(lora_a)
+        and len(memo.lora_b) == len(lora_b)
+        and all(p is q for p, q in zip(memo.lora_a, lora_a, strict=True))
+        and all(p is q for p, q in zip(memo.lora_b, lora_b, strict=True))
+    ):
+        return memo
+    n, r_max = layout.num_slots, layout.max_rank
+    blocks = list(tables.a.view(n, layout.hidden_in, r_max * layout.num_slices).unbind(0))
+    b_full = [
+        list(b.view(n, r_max, size).unbind(0)) for b, size in zip(tables.b, layout.out_sizes, strict=True)
+    ]
+    views = SlotViews(tuple(lora_a), tuple(lora_b), blocks, b_full)
+    lora_a[0]._sgmv_slot_views = views
+    return views
+
+
 def add_lora_segments(
     y: Tensor,
     x: Tensor,
-    tables: BagTables,
+    views: SlotViews,
     meta: SgmvMeta,
     params: SlotParams,
     layout: LoraLayout,
@@ -34,9 +67,8 @@ def add_lora_segments(
     """y += each segment's LoRA delta, for all segments or those listed in `only` (fp32, host params)."""
     ranks, scales = params.ranks_host, params.scales_host
     assert ranks is not None and scales is not None
-    n, r_max, s_count = layout.num_slots, layout.max_rank, layout.num_slices
-    blocks = tables.a.view(n, layout.hidden_in, r_max * s_count)  # [N, H_in, R*S]
-    b_stacks = [b.view(n, r_max, size) for b, size in zip(tables.b, layout.out_sizes, strict=True)]
+    r_max, s_count = layout.max_rank, layout.num_slices
+    blocks, b_full = views.blocks, views.b_full
     y_slices = [
         y.narrow(1, off, size) for off, size in zip(layout.out_offsets, layout.out_sizes, strict=True)
     ]
@@ -46,29 +78,31 @@ def add_lora_segments(
         start, length, slot = meta.seg_starts_host[g], meta.seg_lens_host[g], meta.seg_slots_host[g]
         row = rows[start]
         if rows[start + length - 1] - row != length - 1:
-            _scattered(y_slices, x, blocks[slot], b_stacks, meta, start, length, slot, ranks, scales)
-        elif length == 1:
-            v = torch.mv(blocks[slot].t(), x[row]).view(r_max, s_count)  # [R, S]
+            _scattered(y_slices, x, views, meta, start, length, slot, ranks, scales)
+            continue
+        if length == 1:
+            parts = torch.mv(blocks[slot].t(), x[row]).view(r_max, s_count).unbind(1)  # S x [R]
             for s in slices:
                 r = ranks[s][slot]
-                if r:
-                    w = b_stacks[s][slot] if r == r_max else b_stacks[s][slot, :r]  # [r, H_s]
-                    y_slices[s][row].addmv_(w.t(), v[:r, s], alpha=scales[s][slot])
-        else:
-            end = row + length
-            v = torch.mm(x[row:end], blocks[slot]).view(length, r_max, s_count)  # [len, R, S]
-            for s in slices:
-                r = ranks[s][slot]
-                if r:
-                    w = b_stacks[s][slot] if r == r_max else b_stacks[s][slot, :r]
-                    y_slices[s][row:end].addmm_(v[:, :r, s], w, alpha=scales[s][slot])
+                if r == r_max:
+                    y_slices[s][row].addmv_(b_full[s][slot].t(), parts[s], alpha=scales[s][slot])
+                elif r:
+                    y_slices[s][row].addmv_(b_full[s][slot][:r].t(), parts[s][:r], alpha=scales[s][slot])
+            continue
+        end = row + length
+        parts = torch.mm(x[row:end], blocks[slot]).view(length, r_max, s_count).unbind(2)  # S x [len, R]
+        for s in slices:
+            r = ranks[s][slot]
+            if r == r_max:
+                y_slices[s][row:end].addmm_(parts[s], b_full[s][slot], alpha=scales[s][slot])
+            elif r:
+                y_slices[s][row:end].addmm_(parts[s][:, :r], b_full[s][slot][:r], alpha=scales[s][slot])
 
 
 def _scattered(
     y_slices: list[Tensor],
     x: Tensor,
-    block: Tensor,
-    b_stacks: list[Tensor],
+    views: SlotViews,
     meta: SgmvMeta,
     start: int,
     length: int,
@@ -78,9 +112,9 @@ def _scattered(
 ) -> None:
     """One adapter's rows that are not one run: gather, GEMMs, index_add_ (y is fp32 here)."""
     rows = meta.sorted_rows[start : start + length]
-    v = torch.mm(x.index_select(0, rows), block).view(length, -1, len(b_stacks))
-    for s, (y_slice, b_stack) in enumerate(zip(y_slices, b_stacks, strict=True)):
+    v = torch.mm(x.index_select(0, rows), views.blocks[slot]).view(length, -1, len(y_slices))
+    for s, y_slice in enumerate(y_slices):
         r = ranks[s][slot]
         if r:
-            delta = torch.mm(v[:, :r, s], b_stack[slot, :r])  # [len, H_s]
+            delta = torch.mm(v[:, :r, s], views.b_full[s][slot][:r])  # [len, H_s]
             y_slice.index_add_(0, rows, delta, alpha=scales[s][slot])

@@ -97,12 +97,13 @@ def add_lora_torch(
     tables = bag_tables(lora_a, lora_b) if host and x.dtype == torch.float32 else None
     if tables is not None:
         bag_plan = torch_bag.plan(meta, torch_bag.max_segment_rows(layout, x.element_size()))
+        views = torch_fused.slot_views(lora_a, lora_b, tables, layout)
         if bag_plan is None:
-            torch_fused.add_lora_segments(y, x, tables, meta, params, layout)
+            torch_fused.add_lora_segments(y, x, views, meta, params, layout)
             return
         torch_bag.add_lora_bag(y, x, tables, meta, bag_plan, params, layout)
         if bag_plan.long_segments:
-            torch_fused.add_lora_segments(y, x, tables, meta, params, layout, bag_plan.long_segments)
+            torch_fused.add_lora_segments(y, x, views, meta, params, layout, bag_plan.long_segments)
         return
     if use_gather(meta, layout, params):
         delta = expand_gather(shrink_gather(x, lora_a, meta, params), lora_b, meta, params)

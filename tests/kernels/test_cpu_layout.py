@@ -196,3 +196,23 @@ def test_scales_and_ranks_changed_in_place_are_seen_by_the_next_call() -> None:
     expected, before = expected_output(case), case.buf.clone()
     run_add_lora(case, "torch", meta=meta)
     assert_matches(case, expected, before, torch.float32)
+
+
+def test_per_slot_views_follow_the_stacks_they_were_made_for() -> None:
+    """The fused loop memoises per-slot views on lora_a[0]: other B stacks with the same A must not
+    reuse them, and rewriting a slot's weights in place must show in the next call."""
+    case = cpu_case(num_tokens=8, hidden_in=16, out_sizes=(16, 8), num_slots=2, max_rank=4,
+                    popularity="identical", seed=12, mixed_ranks=False)  # fmt: skip
+    for _ in range(2):
+        expected, before = expected_output(case), case.buf.clone()
+        run_add_lora(case, "torch")
+        assert_matches(case, expected, before, torch.float32)
+        _, other_b = alloc_stacks(2, 4, 16, (16, 8), dtype=torch.float32, device=CPU)
+        for dst, src in zip(other_b, case.lora_b, strict=True):
+            dst.copy_(src * -2.0)
+        case.lora_b = other_b
+    for a in case.lora_a:
+        a.mul_(0.5)  # a slot rewrite in place
+    expected, before = expected_output(case), case.buf.clone()
+    run_add_lora(case, "torch")
+    assert_matches(case, expected, before, torch.float32)
