@@ -47,7 +47,9 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default output)")
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--rounds", type=int, default=5
+    )  # decode runs are short; best of 5 rides out load bursts
     args = parser.parse_args()
     threads = setup_threads()
     from base_engine import EngineConfig, LLMEngine

@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--suite", choices=["base", "lora"], default="base")
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default output)")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     threads = setup_threads()
     from transformers import AutoModelForCausalLM
