@@ -2,9 +2,11 @@
 
 For every layer and packed projection (q/k/v -> qkv_proj, gate/up -> gate_up_proj, o_proj,
 down_proj) the pool holds S stacked tensors `lora_a[s]: [N, R_max, H_in]`, `lora_b[s]:
-[N, H_out_s, R_max]` plus `scales`/`ranks: [S, N]`. Writing an adapter into slot n is the only
+[N, H_out_s, R_max]` plus `scales`/`ranks: [S, N]`, as strided views of storage laid out for the
+device (`kernels.sgmv.layout.alloc_stacks`: on CPU the slices' A factors are interleaved so the twin
+shrinks all slices of a projection in one call). Writing an adapter into slot n is the only
 host-to-device work the engine step ever does for adapters. A module an adapter does not cover gets
-rank 0 in that slot, so the kernels read nothing for it.
+rank 0 in that slot, so the kernels use nothing of it.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ PACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 
 @dataclass(slots=True)
 class ProjectionSlots:
-    lora_a: list[torch.Tensor]  # S x [N, R_max, H_in]
-    lora_b: list[torch.Tensor]  # S x [N, H_out_s, R_max]
+    lora_a: list[torch.Tensor]  # S x [N, R_max, H_in] (strided views, see alloc_stacks)
+    lora_b: list[torch.Tensor]  # S x [N, H_out_s, R_max] (transposed views of rank-major storage)
     scales: torch.Tensor  # [S, N] float32
     ranks: torch.Tensor  # [S, N] int32
 
