@@ -26,6 +26,7 @@ from kernels.sgmv.checks import (
     check_tensors,
     slot_params,
 )
+from kernels.sgmv.layout import stack_memo
 from kernels.sgmv.meta import SgmvMeta, build_meta
 
 Backend = Literal["auto", "triton", "torch"]
@@ -61,6 +62,23 @@ def _meta_for(
         return build_meta(token_slots, num_slots)
     check_meta(meta, num_tokens, num_slots, device)
     return meta
+
+
+def _checked_stacks(lora_a: Sequence[Tensor], lora_b: Sequence[Tensor], x: Tensor) -> LoraLayout:
+    """Shapes, dtypes and devices of both stacks against x; remembered per pair of stacks (stack_memo),
+    since the engine hands the same slot-pool tensors to every call."""
+    memo = stack_memo(lora_a, lora_b)
+    key = ("layout", x.dtype, x.device)
+    if memo is not None and key in memo:
+        return memo[key]
+    layout = check_lora_a(lora_a)
+    check_tensors({f"lora_a[{s}]": w for s, w in enumerate(lora_a)}, x.device, x.dtype, "x")
+    out_sizes = check_lora_b(lora_b, layout.num_slices, layout.num_slots, layout.max_rank)
+    check_tensors({f"lora_b[{s}]": w for s, w in enumerate(lora_b)}, x.device, x.dtype, "x")
+    layout = LoraLayout(layout.num_slices, layout.num_slots, layout.max_rank, layout.hidden_in, out_sizes)
+    if memo is not None:
+        memo[key] = layout
+    return layout
 
 
 def _prepare_a(
@@ -113,11 +131,12 @@ def add_lora(
     backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the twin), "auto" (Triton on CUDA).
     Raises ValueError on any shape/dtype/device mismatch, slot outside [-1, N) or rank outside [0, R_max].
     """  # noqa: E501 (the Semantics block is the issue's, verbatim)
-    layout, meta, params = _prepare_a(x, lora_a, token_slots, scales, ranks, meta)
-    out_sizes = check_lora_b(lora_b, layout.num_slices, layout.num_slots, layout.max_rank)
-    layout = LoraLayout(layout.num_slices, layout.num_slots, layout.max_rank, layout.hidden_in, out_sizes)
-    check_matrix("y", y, x.shape[0], sum(out_sizes))
-    check_tensors({"y": y, **{f"lora_b[{s}]": w for s, w in enumerate(lora_b)}}, x.device, x.dtype, "x")
+    layout = _checked_stacks(lora_a, lora_b, x)
+    check_matrix("x", x, None, layout.hidden_in)
+    check_matrix("y", y, x.shape[0], sum(layout.out_sizes))
+    check_tensors({"y": y}, x.device, x.dtype, "x")
+    params = slot_params(scales, ranks, layout, x.device, may_sync=meta is None)
+    meta = _meta_for(meta, token_slots, x.shape[0], layout.num_slots, x.device)
     if meta.num_active_rows == 0:
         return
     if _resolve_backend(backend, x) == "torch":

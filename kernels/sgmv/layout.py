@@ -71,8 +71,43 @@ def _rank_major_b(b: Tensor) -> Tensor | None:
     return torch.as_strided(b, (n * r, h), (h, 1), b.storage_offset())
 
 
+def stack_memo(lora_a: Sequence[Tensor], lora_b: Sequence[Tensor]) -> dict | None:
+    """A dict kept on lora_a[0] for exactly this pair of stacks (by identity), or None if they are not
+    tensor lists. For data derived from the stacks' shapes, strides and storage only (checked layout,
+    tables, per-slot views), never from their contents: slot rewrites in place keep it valid."""
+    if not _tensor_list(lora_a) or not _tensor_list(lora_b):
+        return None
+    memo = getattr(lora_a[0], "_sgmv_stack_memo", None)
+    if memo is None or not (_same(memo[0], lora_a) and _same(memo[1], lora_b)):
+        memo = (tuple(lora_a), tuple(lora_b), {})
+        lora_a[0]._sgmv_stack_memo = memo
+    return memo[2]
+
+
+def _tensor_list(weights: object) -> bool:
+    return (
+        isinstance(weights, (list, tuple))
+        and len(weights) > 0
+        and all(isinstance(w, Tensor) for w in weights)
+    )
+
+
+def _same(kept: tuple[Tensor, ...], given: Sequence[Tensor]) -> bool:
+    return len(kept) == len(given) and all(p is q for p, q in zip(kept, given, strict=True))
+
+
 def bag_tables(lora_a: Sequence[Tensor], lora_b: Sequence[Tensor]) -> BagTables | None:
     """The embedding tables behind CPU-layout stacks, or None when the stacks are laid out otherwise."""
+    memo = stack_memo(lora_a, lora_b)
+    if memo is not None and "tables" in memo:
+        return memo["tables"]
+    tables = _bag_tables(lora_a, lora_b)
+    if memo is not None:
+        memo["tables"] = tables
+    return tables
+
+
+def _bag_tables(lora_a: Sequence[Tensor], lora_b: Sequence[Tensor]) -> BagTables | None:
     a = _fused_a(lora_a)
     if a is None:
         return None

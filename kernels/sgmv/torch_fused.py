@@ -19,15 +19,13 @@ import torch
 from torch import Tensor
 
 from kernels.sgmv.checks import LoraLayout, SlotParams
-from kernels.sgmv.layout import BagTables
+from kernels.sgmv.layout import BagTables, stack_memo
 from kernels.sgmv.meta import SgmvMeta
 
 
 class SlotViews(NamedTuple):
     """Per-slot views of the stacks, made once per stack (views stay valid when slots are rewritten)."""
 
-    lora_a: tuple[Tensor, ...]  # the stacks these views belong to (identity check)
-    lora_b: tuple[Tensor, ...]
     blocks: list[Tensor]  # [N] x [H_in, R_max * S]: A of all slices of a slot
     b_full: list[list[Tensor]]  # [S][N] x [R_max, H_out_s]
 
@@ -35,23 +33,18 @@ class SlotViews(NamedTuple):
 def slot_views(
     lora_a: Sequence[Tensor], lora_b: Sequence[Tensor], tables: BagTables, layout: LoraLayout
 ) -> SlotViews:
-    """The per-slot views, memoised on lora_a[0] (the engine passes the same stacks every step)."""
-    memo = getattr(lora_a[0], "_sgmv_slot_views", None)
-    if (
-        memo is not None
-        and len(memo.lora_a) == len(lora_a)
-        and len(memo.lora_b) == len(lora_b)
-        and all(p is q for p, q in zip(memo.lora_a, lora_a, strict=True))
-        and all(p is q for p, q in zip(memo.lora_b, lora_b, strict=True))
-    ):
-        return memo
+    """The per-slot views, memoised with the stacks (layout.stack_memo: the engine passes the same ones)."""
+    memo = stack_memo(lora_a, lora_b)
+    if memo is not None and "slot_views" in memo:
+        return memo["slot_views"]
     n, r_max = layout.num_slots, layout.max_rank
     blocks = list(tables.a.view(n, layout.hidden_in, r_max * layout.num_slices).unbind(0))
     b_full = [
         list(b.view(n, r_max, size).unbind(0)) for b, size in zip(tables.b, layout.out_sizes, strict=True)
     ]
-    views = SlotViews(tuple(lora_a), tuple(lora_b), blocks, b_full)
-    lora_a[0]._sgmv_slot_views = views
+    views = SlotViews(blocks, b_full)
+    if memo is not None:
+        memo["slot_views"] = views
     return views
 
 
