@@ -38,6 +38,11 @@ BAG_SEGMENT_BYTES = 1 << 20
 BAG_MAX_SEGMENT_ROWS = 2
 BAG_MIN_SEGMENTS = 4
 SUM = 0  # embedding_bag mode
+# Wide expands (a slice of >= EXPAND_CHUNKED_MIN columns) run as bags over 512-column pieces of B's
+# rows: FBGEMM then accumulates a 2 KB tile per bag instead of a whole 16-56 KB output row. Llama-8B
+# widths, 32 one-row adapters, 2 threads: 4096 columns 8.6 -> 9.5 GB/s, 14336 columns 10.6 -> 11.3.
+EXPAND_CHUNK = 512
+EXPAND_CHUNKED_MIN = 4096
 
 
 class BagPlan(NamedTuple):
@@ -151,6 +156,10 @@ def expand(
         if distinct == {0}:
             continue  # no adapter of the batch covers this slice
         v_s = v[:, :, s]
+        y_slice = y.narrow(1, off, size)
+        if distinct == {max_rank} and size % EXPAND_CHUNK == 0 and size >= EXPAND_CHUNKED_MIN:
+            _expand_chunked(y_slice, v_s, tables.b[s], bag_plan, max_rank, size)
+            continue
         if distinct == {max_rank}:
             indices, offsets = _bags(meta, bag_plan, max_rank)
             weights = v_s.reshape(-1)
@@ -158,12 +167,34 @@ def expand(
             ranks = tuple(slot_ranks[a] for a in bag_plan.slots_host)
             indices, offsets, keep = _rank_bags(meta, bag_plan, max_rank, ranks)
             weights = v_s[keep]  # drops the columns beyond each row's rank (garbage or NaN)
-        delta = _embedding_bag(tables.b[s], indices, offsets, weights)
-        y_slice = y.narrow(1, off, size)
-        if bag_plan.all_rows:
-            y_slice.add_(delta)
-        else:
-            y_slice.index_add_(0, bag_plan.rows, delta)
+        _add_rows(y_slice, _embedding_bag(tables.b[s], indices, offsets, weights), bag_plan)
+
+
+def _add_rows(y_slice: Tensor, delta: Tensor, bag_plan: BagPlan) -> None:
+    if bag_plan.all_rows:
+        y_slice.add_(delta)
+    else:
+        y_slice.index_add_(0, bag_plan.rows, delta)
+
+
+def _expand_chunked(
+    y_slice: Tensor, v_s: Tensor, table_b: Tensor, bag_plan: BagPlan, max_rank: int, size: int
+) -> None:
+    """Full-rank expand of a wide slice in EXPAND_CHUNK-column pieces: bag (row t, piece j) sums the
+    pieces j of its adapter's R rows of B, so each bag accumulates one short tile (see EXPAND_CHUNK)."""
+    pieces = size // EXPAND_CHUNK
+    key = ("chunk_bags", max_rank, pieces)
+    if key not in bag_plan.bags:
+        ranks = torch.arange(max_rank, device=v_s.device)
+        rows = bag_plan.slots[:, None] * max_rank + ranks[None, :]  # [M, R] rows of the [N*R, H] table
+        piece = torch.arange(pieces, device=v_s.device)
+        indices = (rows[:, None, :] * pieces + piece[None, :, None]).reshape(-1)  # [M, J, R]
+        offsets = torch.arange(0, indices.numel(), max_rank, device=v_s.device)
+        bag_plan.bags[key] = (indices, offsets)
+    indices, offsets = bag_plan.bags[key]
+    weights = v_s[:, None, :].expand(-1, pieces, -1).reshape(-1)  # v[t, k] for every piece j
+    delta = _embedding_bag(table_b.view(-1, EXPAND_CHUNK), indices, offsets, weights)  # [M * J, chunk]
+    _add_rows(y_slice, delta.view(-1, size), bag_plan)
 
 
 def add_lora_bag(

@@ -216,3 +216,15 @@ def test_per_slot_views_follow_the_stacks_they_were_made_for() -> None:
     expected, before = expected_output(case), case.buf.clone()
     run_add_lora(case, "torch")
     assert_matches(case, expected, before, torch.float32)
+
+
+@pytest.mark.parametrize("popularity", ["distinct", "some_none"])
+def test_wide_full_rank_expand_in_column_pieces(popularity: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wide slices of full-rank batches expand in pieces of EXPAND_CHUNK columns (shrunk here)."""
+    monkeypatch.setattr(torch_bag, "EXPAND_CHUNK", 16)
+    monkeypatch.setattr(torch_bag, "EXPAND_CHUNKED_MIN", 32)
+    case = cpu_case(num_tokens=20, hidden_in=24, out_sizes=(48, 8, 32), num_slots=24, max_rank=8,
+                    popularity=popularity, seed=13, mixed_ranks=False)  # fmt: skip
+    expected, before = expected_output(case), case.buf.clone()
+    run_add_lora(case, "torch")
+    assert_matches(case, expected, before, torch.float32)
