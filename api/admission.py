@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 Release = Callable[[Usage | None], None]  # called once when the request ends, with its usage if known
+# The usage a release is called with when the request was refused after its check admitted it (a later
+# check's 429, or the server's 503): nothing ran, so nothing is owed (quotas give everything back).
+NOT_ADMITTED = Usage(prompt_tokens=0, completion_tokens=0, cached_tokens=0)
 RequestFinished = Callable[[RequestContext, list[RequestOutput]], None]
 
 

@@ -24,7 +24,7 @@ import math
 import threading
 from datetime import UTC, datetime
 
-from api.admission import Release
+from api.admission import NOT_ADMITTED, Release
 from api.context import RequestContext, Usage, compute_usage
 from api.errors import APIError
 from api.metering import UsageMeter
@@ -82,7 +82,10 @@ def check_quota(state: AppState, ctx: RequestContext) -> Release:
     ctx.response_headers.update(limiter.headers(ctx.tenant_id, ctx.quotas))
 
     def release(usage: Usage | None) -> None:
-        admission.release(usage.total_tokens if usage is not None else None)
+        if usage is NOT_ADMITTED:
+            admission.refund()  # refused later (503): it does not count against the tenant's limits
+        else:
+            admission.release(usage.total_tokens if usage is not None else None)
 
     return release
 

@@ -108,6 +108,13 @@ class Admission:
             self.is_released = True
             self.limiter._release(self, actual_tokens)
 
+    def refund(self) -> None:
+        """The request was refused after this admission (e.g. 503, server overloaded) and never ran:
+        give back its concurrency slot, its request and its whole token estimate."""
+        if not self.is_released:
+            self.is_released = True
+            self.limiter._refund(self)
+
 
 class QuotaLimiter:
     def __init__(
@@ -188,6 +195,14 @@ class QuotaLimiter:
             if actual_tokens is not None and state.tokens is not None and state.tokens.capacity > 0:
                 refund = admission.estimated_tokens - actual_tokens
                 state.tokens.level = min(state.tokens.capacity, state.tokens.level + refund)
+
+    def _refund(self, admission: Admission) -> None:
+        with self._lock:
+            state = self._tenants[admission.tenant_id]
+            state.num_concurrent -= 1
+            for bucket, amount in ((state.requests, 1), (state.tokens, admission.estimated_tokens)):
+                if bucket is not None and bucket.capacity > 0:
+                    bucket.level = min(bucket.capacity, bucket.level + amount)
 
     def num_concurrent(self, tenant_id: str) -> int:
         with self._lock:

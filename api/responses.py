@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from api import formatting as fmt
-from api.admission import Ticket
+from api.admission import NOT_ADMITTED, Ticket
 from api.context import RequestContext, RequestKind, compute_usage
 from api.deps import Caller
 from api.errors import APIError
@@ -107,7 +107,7 @@ def admit(state: AppState, ctx: RequestContext, num_requests: int) -> Ticket:
         ticket = state.admission.acquire(num_requests)
     except BaseException:
         for release in releases:
-            release(None)
+            release(NOT_ADMITTED)
         raise
     ticket.on_release.extend(releases)
     for hook in state.on_admitted:

@@ -3,7 +3,8 @@
 Seams for the metering / metrics / quota layer (issue 7):
 - `admission_checks`: `check(ctx) -> release | None`, run before any engine work; raise
   `APIError(429, ...)` to refuse, put `x-ratelimit-*` into `ctx.response_headers`; the returned
-  `release(usage | None)` runs once when the request ends (`ctx.estimated_tokens` for estimates).
+  `release(usage | None)` runs once when the request ends (`ctx.estimated_tokens` for estimates), or
+  with `admission.NOT_ADMITTED` when a later check or the server's bound (503) refused the request.
 - `on_admitted`: `hook(ctx)` once the request is admitted (journal it as begun).
 - `inflight.on_request_finished`: `hook(ctx, finals)` once per request when all its engine requests
   ended, aborted and failed ones included; bill `api.context.compute_usage(finals, n=ctx.n)`.

@@ -139,3 +139,16 @@ def test_admission_is_atomic_under_threads() -> None:
 )  # fmt: skip
 def test_reset_durations_are_written_like_openai(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
+
+
+def test_refund_gives_back_the_request_and_its_whole_estimate() -> None:
+    """A request refused after its quota check (503 overload) never ran: it must not count."""
+    limiter = QuotaLimiter(TenantQuotas(rpm=1, tpm=100, max_concurrent=1), clock=FakeClock())
+    admission = limiter.admit("a", None, estimated_tokens=100)
+    admission.refund()
+    admission.refund()  # once only
+    admission.release(0)  # and a later release does nothing either
+    assert limiter.num_concurrent("a") == 0
+    limiter.admit("a", None, estimated_tokens=100)  # the same rpm, tpm and concurrency again
+    with pytest.raises(QuotaExceededError):
+        limiter.admit("a", None, estimated_tokens=1)

@@ -66,3 +66,31 @@ def test_cache_salt_is_per_tenant_and_per_server() -> None:
     assert tenant_cache_salt("s", "a") == tenant_cache_salt("s", "a")
     assert tenant_cache_salt("s", "a") != tenant_cache_salt("s", "b")
     assert tenant_cache_salt("s", "a") != tenant_cache_salt("t", "a")
+
+
+def test_503_after_the_quota_check_does_not_consume_the_tenants_limits() -> None:
+    """responses.admit: the quota check admits, the server's bound then refuses (503); the tenant's
+    rpm/tpm/concurrency must come back whole, so its next request is judged as if this one never came."""
+    from types import SimpleNamespace
+
+    from api.context import RequestContext
+    from api.metering_service import check_quota
+    from api.quotas import QuotaLimiter
+    from api.responses import admit
+    from registry.types import TenantQuotas
+
+    limiter = QuotaLimiter(TenantQuotas(rpm=1, tpm=50, max_concurrent=1))
+    state = SimpleNamespace(
+        quotas=limiter, admission=Admission(max_in_flight=1), admission_checks=[], on_admitted=[]
+    )
+    state.admission_checks.append(lambda ctx: check_quota(state, ctx))
+    ctx = RequestContext(
+        "r1", "completion", "t1", "tenant", "key", "base", num_prompt_tokens=20, max_new_tokens=30
+    )
+    busy = state.admission.acquire(1)  # the server is full
+    with pytest.raises(APIError) as info:
+        admit(state, ctx, 1)
+    assert info.value.status == 503
+    busy.release()
+    ticket = admit(state, ctx, 1)  # rpm 1 and tpm 50 still available: the 503 took nothing
+    ticket.release(None)
