@@ -158,7 +158,7 @@ def expand(
         v_s = v[:, :, s]
         y_slice = y.narrow(1, off, size)
         if distinct == {max_rank} and size % EXPAND_CHUNK == 0 and size >= EXPAND_CHUNKED_MIN:
-            _expand_chunked(y_slice, v_s, tables.b[s], bag_plan, max_rank, size)
+            _expand_chunked(y_slice, v_s, tables.b[s], meta, bag_plan, max_rank, size)
             continue
         if distinct == {max_rank}:
             indices, offsets = _bags(meta, bag_plan, max_rank)
@@ -178,15 +178,14 @@ def _add_rows(y_slice: Tensor, delta: Tensor, bag_plan: BagPlan) -> None:
 
 
 def _expand_chunked(
-    y_slice: Tensor, v_s: Tensor, table_b: Tensor, bag_plan: BagPlan, max_rank: int, size: int
+    y_slice: Tensor, v_s: Tensor, table_b: Tensor, meta: SgmvMeta, bag_plan: BagPlan, max_rank: int, size: int
 ) -> None:
     """Full-rank expand of a wide slice in EXPAND_CHUNK-column pieces: bag (row t, piece j) sums the
     pieces j of its adapter's R rows of B, so each bag accumulates one short tile (see EXPAND_CHUNK)."""
     pieces = size // EXPAND_CHUNK
     key = ("chunk_bags", max_rank, pieces)
     if key not in bag_plan.bags:
-        ranks = torch.arange(max_rank, device=v_s.device)
-        rows = bag_plan.slots[:, None] * max_rank + ranks[None, :]  # [M, R] rows of the [N*R, H] table
+        rows = _bags(meta, bag_plan, max_rank)[0].view(-1, max_rank)  # [M, R] rows of the [N*R, H] table
         piece = torch.arange(pieces, device=v_s.device)
         indices = (rows[:, None, :] * pieces + piece[None, :, None]).reshape(-1)  # [M, J, R]
         offsets = torch.arange(0, indices.numel(), max_rank, device=v_s.device)
