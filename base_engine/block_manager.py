@@ -109,6 +109,15 @@ class BlockManager:
         self.num_prefix_hits += num_hit
         return num_hit
 
+    def unmatch_prefix(self, seq: Sequence) -> None:
+        """Give back what `match_prefix` attached to a request that could not start after all; the
+        lookup is not counted twice when the request tries again."""
+        if self.enable_prefix_caching:
+            self.num_prefix_queries -= seq.num_tokens
+            self.num_prefix_hits -= len(seq.block_table) * self.block_size
+        if seq.block_table:
+            self.free_sequence(seq)
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that became full (by computed tokens) so later requests can reuse them."""
         if not self.enable_prefix_caching:

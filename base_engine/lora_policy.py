@@ -81,6 +81,13 @@ class LoraAdmissionPolicy(AdmissionPolicy):
         seq.adapter_slot = slot
         return True
 
+    def on_not_admitted(self, seq: Sequence) -> None:
+        # The slot goes back so a request that waits holds nothing; acquiring it again is a cache hit
+        # unless another adapter needed the slot meanwhile.
+        if seq.adapter_slot >= 0:
+            self.cache.release(seq.adapter_slot)
+            seq.adapter_slot = -1
+
     def on_scheduled(self, output: SchedulerOutput) -> None:
         for item in output.scheduled:
             seq = item.seq

@@ -57,6 +57,10 @@ class AdmissionPolicy:
     def on_scheduled(self, output: SchedulerOutput) -> None:
         return None
 
+    def on_not_admitted(self, seq: Sequence) -> None:
+        """`can_admit` said yes but the request could not start: give back what it acquired."""
+        return None
+
 
 class Scheduler:
     def __init__(
@@ -130,19 +134,23 @@ class Scheduler:
                 break
             if not self.policy.can_admit(seq, self.running):
                 continue
-            if not seq.block_table:
-                num_hit = self.block_manager.match_prefix(seq)
-                seq.num_computed_tokens = num_hit
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = num_hit
+            # A waiting request holds no blocks (preemption and rollback free them), so its prefix
+            # hits are attached here and either kept by the allocation below or given back at once:
+            # two waiting requests can never sit on blocks the other one needs.
+            num_hit = self.block_manager.match_prefix(seq)
+            seq.num_computed_tokens = num_hit
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_hit
             num_new = min(seq.num_uncomputed_tokens, budget)
             if self._exceeds_pool(seq, num_new):
+                self._roll_back(seq)
                 out.overflowed.append(seq)
                 continue
             is_partial = num_new < seq.num_uncomputed_tokens
             if (is_partial and not self.enable_chunked_prefill) or not self.block_manager.can_allocate(
                 seq, num_new
             ):
+                self._roll_back(seq)
                 break  # FCFS: a request that cannot start blocks the ones behind it
             self.block_manager.allocate(seq, num_new)
             self.waiting.remove(seq)
@@ -153,6 +161,12 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
         return budget
+
+    def _roll_back(self, seq: Sequence) -> None:
+        """Undo an admission attempt: prefix blocks and the adapter slot go back, nothing is held."""
+        self.block_manager.unmatch_prefix(seq)
+        seq.num_computed_tokens = 0
+        self.policy.on_not_admitted(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute-style preemption: drop its KV blocks, keep its tokens, queue it first."""
