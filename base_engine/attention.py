@@ -36,11 +36,16 @@ class DecodeBucket:
     whole blocks: SDPA on CPU gives a row bits that depend on the rest of its batch when the key length
     is odd (torch 2.13, 2 query heads per KV head), so an exact-length slice would make a row's output
     depend on which other lengths share its bucket.
+
+    Masked keys get a softmax weight of exactly 0, but 0 * NaN is NaN: every slot a row may read beyond
+    its length must hold finite values whoever used it before. That holds by construction: padding
+    points at the null block (never allocated, always zero) and a block is zeroed when it is handed to
+    a new owner (`ModelRunner.clear_blocks`), so the tail of a row's last block is zero or its own.
     """
 
     rows: torch.Tensor  # [n] int64 rows of the flattened batch, ascending
     first_row: int | None  # rows are exactly [first_row, first_row + n): slice instead of gather/scatter
-    block_tables: torch.Tensor  # [n, num_blocks] int64, padded with block 0 to the bucket's longest row
+    block_tables: torch.Tensor  # [n, num_blocks] int64, padded with the null block to the longest row
     mask: torch.Tensor | None  # [n, 1, 1, num_blocks * bs] additive (0 / -inf); None: every key valid
 
 
@@ -143,10 +148,12 @@ def build_decode_buckets(
     block_size: int,
     sliding_window: int | None,
     dtype: torch.dtype,
+    null_block: int,
     max_buckets: int = MAX_DECODE_BUCKETS,
 ) -> list[DecodeBucket]:
     """Host-side, once per step: decode i sits at row rows[i], has seq_lens[i] tokens (the new one
-    included, already in the cache) and reads them through block_tables[i]."""
+    included, already in the cache) and reads them through block_tables[i]. Shorter rows of a bucket
+    are padded with `null_block`, a block no request owns and that stays zero."""
     spans = []
     for row, table, num_tokens in zip(rows, block_tables, seq_lens, strict=True):
         # e.g. bs 4, 10 tokens: blocks 0..2, keys [0, 10); window 5: tokens 5..9 -> blocks 1..2, keys [1, 6)
@@ -157,13 +164,14 @@ def build_decode_buckets(
     buckets = []
     for members in plan_decode_buckets([len(s.blocks) for s in spans], max_buckets=max_buckets):
         # ascending rows: a contiguous run of rows is then a plain slice
-        buckets.append(_bucket(sorted((spans[i] for i in members), key=lambda s: s.row), block_size, dtype))
+        members_by_row = sorted((spans[i] for i in members), key=lambda s: s.row)
+        buckets.append(_bucket(members_by_row, block_size, dtype, null_block))
     return buckets
 
 
-def _bucket(spans: list[_DecodeSpan], block_size: int, dtype: torch.dtype) -> DecodeBucket:
+def _bucket(spans: list[_DecodeSpan], block_size: int, dtype: torch.dtype, null_block: int) -> DecodeBucket:
     num, width = len(spans), max(len(s.blocks) for s in spans)
-    tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in spans], dtype=torch.long)
+    tables = [s.blocks + [null_block] * (width - len(s.blocks)) for s in spans]
     num_keys = width * block_size
     mask = None
     if any(s.lo != 0 or s.hi != num_keys for s in spans):  # e.g. one length filling whole blocks: none
@@ -177,7 +185,7 @@ def _bucket(spans: list[_DecodeSpan], block_size: int, dtype: torch.dtype) -> De
     return DecodeBucket(
         rows=torch.tensor([s.row for s in spans], dtype=torch.long),
         first_row=first_row if last_row - first_row + 1 == num else None,
-        block_tables=tables,
+        block_tables=torch.tensor(tables, dtype=torch.long),
         mask=mask,
     )
 

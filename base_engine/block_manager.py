@@ -43,6 +43,9 @@ class BlockManager:
         # Blocks with ref_count 0, least recently freed first; contents stay valid until reused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
+        # Blocks handed to a new owner since the last `take_fresh_blocks`: their previous contents (any
+        # bits: another tenant's, NaN) must be cleared before a step reads past the owner's tokens.
+        self.fresh_blocks: list[int] = []
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found
 
@@ -80,7 +83,12 @@ class BlockManager:
                 del self.hash_to_block[block.block_hash]
             block.block_hash = None
         block.ref_count = 1
+        self.fresh_blocks.append(block_id)
         return block_id
+
+    def take_fresh_blocks(self) -> list[int]:
+        fresh, self.fresh_blocks = self.fresh_blocks, []
+        return fresh
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for seq's prompt prefix; returns the number of tokens found.

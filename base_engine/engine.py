@@ -19,12 +19,12 @@ from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
 from base_engine.kv_sizing import num_kv_blocks
 from base_engine.lora import make_lora_manager
-from base_engine.model_runner import ModelRunner, allocate_kv_caches
+from base_engine.model_runner import ModelRunner, StepBatch, StepResult, allocate_kv_caches
 from base_engine.outputs import EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
 from base_engine.sampler import Sampler, SamplingRow
 from base_engine.sampling_params import SamplingParams
-from base_engine.scheduler import Scheduler
+from base_engine.scheduler import ScheduledSeq, Scheduler
 from base_engine.sequence import Sequence, SequenceStatus
 from base_engine.tokenizer import load_tokenizer
 from base_engine.weights import load_model
@@ -186,22 +186,48 @@ class LLMEngine:
             return outputs
         self.num_steps += 1
         batch = self.runner.prepare(sched)
+        self.runner.clear_blocks(self.block_manager.take_fresh_blocks())
         lora_batch = self.lora.prepare_step(batch.row_slots)
-        logits = self.runner.execute(batch, lora_batch)
-        rows = [
-            SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.generator)
-            for s in batch.sampled
-        ]
-        sampled = self.sampler(logits, rows) if rows else None
+        result = self.runner.execute(batch, lora_batch)
+        outputs += [self._fail_non_finite(item.seq) for item in result.non_finite]
+        sampled = self._sample(batch, result)
         for item in sched.scheduled:
+            if item.seq.is_finished:
+                continue  # failed above: its blocks are freed and never published
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_full_blocks(item.seq)
-        if sampled is not None:
-            for item, token_id, logprobs in zip(
-                batch.sampled, sampled.token_ids, sampled.logprobs, strict=True
-            ):
-                outputs.append(self._append_token(item.seq, token_id, logprobs))
+        for item, token_id, logprobs in sampled:
+            outputs.append(self._append_token(item.seq, token_id, logprobs))
         return outputs
+
+    def _sample(
+        self, batch: StepBatch, result: StepResult
+    ) -> list[tuple[ScheduledSeq, int, dict[int, float] | None]]:
+        """Samples the rows of requests still running (a row that went non-finite is not sampled)."""
+        keep = [i for i, item in enumerate(batch.sampled) if not item.seq.is_finished]
+        if not keep:
+            return []
+        logits = result.logits
+        if len(keep) < len(batch.sampled):
+            logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+        items = [batch.sampled[i] for i in keep]
+        rows = [
+            SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.generator)
+            for s in items
+        ]
+        sampled = self.sampler(logits, rows)
+        return list(zip(items, sampled.token_ids, sampled.logprobs, strict=True))
+
+    def _fail_non_finite(self, seq: Sequence) -> RequestOutput:
+        """Its values left the serving dtype's range (e.g. an adapter that overflows): the request ends
+        with an error; rows of other requests never mix with it, so they go on unchanged."""
+        cause = "" if seq.adapter is None else f" with adapter {seq.adapter.name!r}"
+        seq.error = (
+            f"numerical error: the model produced non-finite values (NaN/Inf) for this request{cause}; "
+            f"its output would be meaningless"
+        )
+        logger.warning("request %s failed: non-finite hidden states or logits%s", seq.request_id, cause)
+        return self._finish(seq, SequenceStatus.FINISHED_ERROR)
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None) -> RequestOutput:
         now = time.monotonic()

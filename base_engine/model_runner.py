@@ -30,6 +30,13 @@ class StepBatch:
     sample_rows: torch.Tensor  # [num_sampled] rows whose logits are sampled
     sampled: list[ScheduledSeq]  # the requests those rows belong to, same order
     row_slots: list[int]  # adapter slot of every row (-1 = base model), for the LoRA metadata
+    row_starts: list[int]  # first row of each request of `order`; its rows end where the next begins
+
+
+@dataclass(slots=True)
+class StepResult:
+    logits: torch.Tensor  # [num_sampled, vocab] fp32, rows of batch.sampled
+    non_finite: list[ScheduledSeq]  # requests whose hidden states or logits hold NaN/Inf this step
 
 
 class ModelRunner:
@@ -46,6 +53,8 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        # The last block of the pool belongs to no request and stays zero: decode buckets pad with it.
+        self.null_block = kv_caches[0].shape[1] - 1 if kv_caches else 0
         self.device = device
         self.sliding_window = config.sliding_window
         dtype = next(model.parameters()).dtype
@@ -66,11 +75,13 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[ScheduledSeq] = []
         chunks: list[PrefillChunk] = []
+        row_starts: list[int] = []
         bs = self.block_size
         decode_rows: list[int] = []
         for item in order:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             row = len(input_ids)
+            row_starts.append(row)
             input_ids += seq.token_ids(start, start + n)
             table = seq.block_table
             for pos in range(start, start + n):
@@ -98,6 +109,7 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             sampled=sampled,
             row_slots=row_slots,
+            row_starts=row_starts,
         )
 
     def _decode_meta(self, decodes: list[ScheduledSeq], rows: list[int]) -> AttentionMetadata:
@@ -109,23 +121,51 @@ class ModelRunner:
             block_size=self.block_size,
             sliding_window=self.sliding_window,
             dtype=self.dtype,
+            null_block=self.null_block,
         )
         return AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=buckets, prefills=[]
         )
 
-    def execute(self, batch: StepBatch, lora: LoraBatch | None = None) -> torch.Tensor:
-        """Runs the model; returns fp32 logits [num_sampled, vocab] for batch.sampled."""
+    def clear_blocks(self, block_ids: list[int]) -> None:
+        """Zero blocks handed to new owners (whatever the previous owner left, NaN included)."""
+        if not block_ids:
+            return
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            cache.index_fill_(1, index, 0)
+
+    def execute(self, batch: StepBatch, lora: LoraBatch | None = None) -> StepResult:
+        """Runs the model; logits for batch.sampled and the requests that went non-finite."""
         cos_sin = self.rope(batch.positions)
         hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora)
-        return self.model.logits(hidden.index_select(0, batch.sample_rows))
+        logits = self.model.logits(hidden.index_select(0, batch.sample_rows))
+        return StepResult(logits, self._non_finite(batch, hidden, logits))
+
+    def _non_finite(self, batch: StepBatch, hidden: torch.Tensor, logits: torch.Tensor) -> list[ScheduledSeq]:
+        # A row's own K/V feed its own attention, so a NaN/Inf written to the cache at any layer shows
+        # in that row's final hidden state; logits can still overflow on their own. One host sync in
+        # the common case (everything finite).
+        row_ok = torch.isfinite(hidden).all(dim=-1)  # [T]
+        sample_ok = torch.isfinite(logits).all(dim=-1)  # [num_sampled]
+        if bool(row_ok.all()) and bool(sample_ok.all()):
+            return []
+        bad_rows = set((~row_ok).nonzero().flatten().tolist())
+        bad_rows |= {int(batch.sample_rows[i]) for i in (~sample_ok).nonzero().flatten().tolist()}
+        ends = batch.row_starts[1:] + [len(batch.input_ids)]
+        return [
+            item
+            for item, start, end in zip(batch.order, batch.row_starts, ends, strict=True)
+            if any(start <= r < end for r in bad_rows)
+        ]
 
 
 def allocate_kv_caches(
     config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, zeroed (lazily by the OS)."""
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    """One [2, num_blocks + 1, block_size, kv_heads, head_dim] tensor per layer, zeroed (lazily by the OS);
+    the extra last block is the runner's null block (decode padding), never allocated to a request."""
+    shape = (2, num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
 

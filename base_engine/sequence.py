@@ -79,6 +79,10 @@ class Sequence:
         return len(self.output_token_ids)
 
     @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

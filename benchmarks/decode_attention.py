@@ -57,6 +57,7 @@ def _meta(tables: list[list[int]], seq_lens: list[int], max_buckets: int) -> Att
         block_size=BLOCK_SIZE,
         sliding_window=None,
         dtype=torch.float32,
+        null_block=0,
         max_buckets=max_buckets,
     )
     return AttentionMetadata(

@@ -95,6 +95,7 @@ def test_bucketed_decode_equals_float64_reference(window: int | None, layout: st
         block_size=BS,
         sliding_window=window,
         dtype=torch.float32,
+        null_block=0,
     )
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=buckets, prefills=chunks
@@ -121,7 +122,7 @@ def test_one_length_of_whole_blocks_is_one_bucket_without_mask() -> None:
     tables = [list(range(10 * i + 1, 10 * i + 7)) for i in range(12)]
     rows = list(range(3, 15))
     [bucket] = build_decode_buckets(
-        rows, tables, [6 * BS] * 12, block_size=BS, sliding_window=None, dtype=torch.float32
+        rows, tables, [6 * BS] * 12, block_size=BS, sliding_window=None, dtype=torch.float32, null_block=0
     )
     assert bucket.mask is None
     assert bucket.first_row == 3 and bucket.rows.tolist() == rows
@@ -131,7 +132,13 @@ def test_one_length_of_whole_blocks_is_one_bucket_without_mask() -> None:
 def test_one_length_with_a_partial_block_masks_only_its_tail() -> None:
     tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     [bucket] = build_decode_buckets(
-        [0, 2, 4], tables, [2 * BS + 1] * 3, block_size=BS, sliding_window=None, dtype=torch.float32
+        [0, 2, 4],
+        tables,
+        [2 * BS + 1] * 3,
+        block_size=BS,
+        sliding_window=None,
+        dtype=torch.float32,
+        null_block=0,
     )
     assert bucket.first_row is None
     valid = bucket.mask.view(3, 3 * BS) == 0
@@ -153,7 +160,7 @@ def test_a_decode_gives_the_same_bits_at_any_row(seed: int) -> None:
 
     def run(rows: list[int], num_rows: int) -> torch.Tensor:  # decode i at row rows[i] -> [8, H, D]
         buckets = build_decode_buckets(
-            rows, tables, lens, block_size=BS, sliding_window=None, dtype=torch.float32
+            rows, tables, lens, block_size=BS, sliding_window=None, dtype=torch.float32, null_block=0
         )
         meta = AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=buckets, prefills=[]
@@ -171,7 +178,7 @@ def test_spread_lengths_make_buckets_each_padded_to_its_own_longest() -> None:
     tables = random_tables(rng, lens, num_pool_blocks=64 * 30 + 1)
     rows = rng.sample(range(100), 64)
     buckets = build_decode_buckets(
-        rows, tables, lens, block_size=BS, sliding_window=None, dtype=torch.float32
+        rows, tables, lens, block_size=BS, sliding_window=None, dtype=torch.float32, null_block=0
     )
     assert 1 < len(buckets) <= MAX_DECODE_BUCKETS
     seen = [r for b in buckets for r in b.rows.tolist()]
@@ -190,7 +197,7 @@ def test_sliding_window_reads_only_blocks_it_can_see() -> None:
     # 40 tokens, window 8: tokens 32..39 live in blocks 8 and 9 of the table; 10 tokens: blocks 0..2.
     tables = [list(range(100, 110)), [7, 8, 9]]
     buckets = build_decode_buckets(
-        [0, 1], tables, [40, 10], block_size=BS, sliding_window=8, dtype=torch.float32
+        [0, 1], tables, [40, 10], block_size=BS, sliding_window=8, dtype=torch.float32, null_block=0
     )
     [bucket] = buckets
     assert bucket.block_tables.tolist() == [[108, 109, 0], [7, 8, 9]]
