@@ -226,6 +226,33 @@ def _checked_factors(
     return factors[0], factors[1]
 
 
+def max_activation(dtype: torch.dtype) -> float:
+    """The largest hidden-state magnitude the delta bound allows for: 2^16 (far above what real
+    checkpoints reach) or sqrt(max) of the serving dtype, whichever is smaller (256 for fp16)."""
+    return min(65536.0, math.sqrt(torch.finfo(dtype).max))
+
+
+def check_delta_bound(key: str, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> None:
+    """Refuse factors whose delta can overflow `dtype` for an input with |x_j| <= max_activation.
+
+    With infinity norms (max absolute row sum; submultiplicative, so a bound without forming B @ A):
+    shrink |A x| <= ||A|| X and delta |scale B A x| <= |scale| ||B|| ||A|| X must stay <= finfo.max.
+    A NaN/Inf lora_alpha (JSON allows both) fails the same check.
+    """
+    limit = torch.finfo(dtype).max
+    x_max = max_activation(dtype)
+    norm_a = float(a.double().abs().sum(dim=1).max())  # ||A||_inf, A [r, in]
+    norm_b = float(b.double().abs().sum(dim=1).max())  # ||B||_inf, B [out, r]
+    if not math.isfinite(scale):
+        raise AdapterValidationError(f"{key}: scale {scale} (from lora_alpha / r) is not a finite number")
+    shrink, delta = norm_a * x_max, abs(scale) * norm_b * norm_a * x_max
+    if not (shrink <= limit and delta <= limit):
+        raise AdapterValidationError(
+            f"{key}: the LoRA delta can overflow {dtype}: |scale| * ||B||_inf * ||A||_inf * {x_max:g} = "
+            f"{delta:.3g} (and ||A||_inf * {x_max:g} = {shrink:.3g}); expected both <= {limit:.3g}"
+        )
+
+
 def parse_adapter(
     files: AdapterFiles,
     *,
@@ -253,6 +280,7 @@ def parse_adapter(
         if max_lora_rank is not None and r > max_lora_rank:
             raise AdapterValidationError(f"{key} has rank {r}, above max_lora_rank={max_lora_rank}")
         a, b = _checked_factors(key, module, by_module.get(key, {}), r, base, dtype)
+        check_delta_bound(key, a, b, scale, dtype)
         weights[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
     ranks: dict[str, int] = {}
     for (_, module), pair in weights.items():
