@@ -2,6 +2,12 @@
 
 All engine state is touched only by the worker thread. Callers hand it commands (add, abort) through
 a queue; outputs travel back to each request's asyncio.Queue with `call_soon_threadsafe`.
+
+The engine thread never waits on I/O: finished requests go to `on_finished` observers (metering,
+metrics) on a separate dispatcher thread, which then delivers the final output, so a request's usage
+is recorded before its client sees the end. A failing command fails only its own request; a failing
+step fails the requests of that step; after `MAX_CONSECUTIVE_FAILURES` failed steps in a row the
+engine reports itself unhealthy (`/health`, `/ready`: 503) and fails what it holds.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from base_engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+MAX_CONSECUTIVE_FAILURES = 3
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
@@ -54,10 +62,16 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="loraserve-engine", daemon=True)
+        # Finished outputs on their way to observers, then to their stream; None stops the thread.
+        self._finished: queue.SimpleQueue[RequestOutput | None] = queue.SimpleQueue()
+        self._dispatcher = threading.Thread(target=self._dispatch, name="loraserve-finished", daemon=True)
         self._stats = engine.stats()
-        self.on_finished: list[Callable[[RequestOutput], None]] = []  # called on the worker thread
+        self.num_consecutive_failures = 0  # failed steps since the last good one
+        self.fatal_error: str | None = None  # set when the engine thread itself died
+        self.on_finished: list[Callable[[RequestOutput], None]] = []  # called on the dispatcher thread
 
     def start(self) -> None:
+        self._dispatcher.start()
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -65,11 +79,23 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._finished.put(None)
+        if self._dispatcher.is_alive():
+            self._dispatcher.join(timeout)
 
     @property
     def is_running(self) -> bool:
         """The engine thread is alive and stepping (what readiness checks ask)."""
-        return self._thread.is_alive() and not self._stop
+        return self._thread.is_alive() and not self._stop and self.is_healthy
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the engine thread died or its steps keep failing (a liveness probe's answer)."""
+        if self.fatal_error is not None:
+            return False
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stop:
+            return False
+        return self.num_consecutive_failures < MAX_CONSECUTIVE_FAILURES
 
     @property
     def num_in_flight(self) -> int:
@@ -149,29 +175,54 @@ class AsyncEngine:
             self._deliver(failed_output(request, str(exc)))
 
     def _run(self) -> None:
-        while not self._stop:
-            while not self._commands.empty():
-                self._commands.get()()
-            if not self.engine.has_unfinished:
-                self.engine.lora.housekeeping()
+        try:
+            while not self._stop:
+                self._run_commands()
+                if not self.engine.has_unfinished:
+                    self._idle()
+                    continue
+                num_steps = self.engine.num_steps
+                outputs = self._step()
+                self._deliver_all(outputs)
                 self._stats = self.engine.stats()
-                self._wake.wait(self.idle_wait_s)
-                self._wake.clear()
-                continue
-            num_steps = self.engine.num_steps
+                if self.engine.num_steps == num_steps and not outputs:
+                    # Nothing could run (e.g. adapters still loading): wait for a command or a moment.
+                    self._wake.wait(0.005)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - the thread is gone: say so and end every stream
+            self.fatal_error = f"engine thread stopped: {type(exc).__name__}: {exc}"
+            logger.exception("engine thread died")
+            for rid in list(self._streams):
+                self._deliver(RequestOutput(rid, [], [], "", finish_reason="error", error=self.fatal_error))
+
+    def _run_commands(self) -> None:
+        while not self._commands.empty():
+            command = self._commands.get()
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
-                logger.exception("engine step failed; failing its requests")
-                outputs = [
-                    self.engine.fail(rid, f"engine error: {exc}") for rid in list(self.engine.requests)
-                ]
-            self._deliver_all(outputs)
-            self._stats = self.engine.stats()
-            if self.engine.num_steps == num_steps and not outputs:
-                # Nothing could run (e.g. adapters still loading): wait for a command or a moment.
-                self._wake.wait(0.005)
-                self._wake.clear()
+                command()
+            except Exception:  # noqa: BLE001 - one bad command must not stop the engine
+                logger.exception("engine command failed; the engine goes on")
+
+    def _idle(self) -> None:
+        self.engine.lora.housekeeping()
+        self._stats = self.engine.stats()
+        self._wake.wait(self.idle_wait_s)
+        self._wake.clear()
+
+    def _step(self) -> list[RequestOutput | None]:
+        """One engine step; a failure fails that step's requests (all of them once failures repeat)."""
+        try:
+            outputs: list[RequestOutput | None] = list(self.engine.step())
+        except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+            self.num_consecutive_failures += 1
+            logger.exception("engine step failed (%d in a row)", self.num_consecutive_failures)
+            victims = self.engine.step_request_ids
+            if self.num_consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+                victims = list(self.engine.requests)  # it cannot go on: nothing may wait forever
+            reason = f"engine error: {type(exc).__name__}: {exc}"
+            return [self.engine.fail(rid, reason) for rid in victims]
+        self.num_consecutive_failures = 0
+        return outputs
 
     def _deliver_all(self, outputs: list[RequestOutput | None]) -> None:
         for out in outputs:
@@ -180,17 +231,28 @@ class AsyncEngine:
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.finished:
+            self._finished.put(out)  # observers may do I/O: never on this thread
+            return
+        target = self._streams.get(out.request_id)
+        if target is not None:
+            loop, outputs = target
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+    def _dispatch(self) -> None:
+        """Dispatcher thread: observers first (usage is recorded before the client sees the end)."""
+        while (out := self._finished.get()) is not None:
             for callback in self.on_finished:
                 try:
                     callback(out)
                 except Exception:  # noqa: BLE001 - a broken observer must not lose the stream's end
                     logger.exception("on_finished callback failed for request %s", out.request_id)
             target = self._streams.pop(out.request_id, None)
-        else:
-            target = self._streams.get(out.request_id)
-        if target is not None:
-            loop, outputs = target
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            if target is not None:
+                loop, outputs = target
+                try:
+                    loop.call_soon_threadsafe(outputs.put_nowait, out)
+                except RuntimeError:  # the caller's event loop is closed: nobody is waiting
+                    logger.debug("stream of %s has no running loop", out.request_id)
 
 
 def failed_output(request: EngineRequest, error: str) -> RequestOutput:

@@ -95,6 +95,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
         self.num_steps = 0
+        self.step_request_ids: list[str] = []  # requests of the step in progress (failed if it raises)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -178,8 +179,10 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.step_request_ids = []
         outputs = self.lora.before_step(self)
         sched = self.scheduler.schedule()
+        self.step_request_ids = [item.seq.request_id for item in sched.scheduled]
         for seq in sched.overflowed:
             outputs.append(self._overflow(seq))
         if sched.is_empty:

@@ -1,12 +1,18 @@
-"""Liveness and readiness probes (unauthenticated, as orchestrators expect)."""
+"""Liveness and readiness probes (unauthenticated, as orchestrators expect).
+
+Both are `async` and touch no thread pool: `/health` (liveness) looks only at this process; `/ready`
+awaits its dependency probes (api/blocking.py: single-flight, in their own pool) for at most
+`ready_timeout_s` each, so neither can queue behind hung uploads, a hung object store or database, or
+a saturated worker pool (issue 13).
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 
 from api.deps import StateDep
 from api.errors import APIError
@@ -14,22 +20,36 @@ from api.errors import APIError
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health")
-def health() -> dict[str, Any]:
-    """The process answers HTTP."""
+@router.get("/health", response_model=None)
+async def health(state: StateDep) -> dict[str, Any] | JSONResponse:
+    """Liveness: the process answers HTTP and its engine thread is alive and not failing every step
+    (a dead engine cannot recover by itself: the orchestrator should restart the process)."""
+    if not state.engine.is_healthy:
+        return APIError(503, "engine is not healthy", code="engine_unhealthy").response()
     return {"status": "ok"}
 
 
 @router.get("/ready", response_model=None)
-def ready(state: StateDep) -> dict[str, Any] | JSONResponse:
-    """Engine loaded and stepping, database reachable, not draining; 503 naming what is not ready."""
+async def ready(state: StateDep) -> dict[str, Any] | JSONResponse:
+    """Readiness, with every dependency reported under `checks`: 503 (naming what is not ready) while
+    draining, when the engine is not running or the database does not answer within
+    `ready_timeout_s`; 200 otherwise, `"status": "degraded"` when only the object store is down
+    (the base model and loaded adapters still serve; uploads and new adapter loads get 503)."""
+    timeout_s = state.settings.ready_timeout_s
+    names = list(state.ready_probes)
+    results = await asyncio.gather(*(state.ready_probes[n].run(timeout_s) for n in names))
+    checks: dict[str, Any] = {"engine": {"ok": state.engine_is_running}}
+    for name, result in zip(names, results, strict=True):
+        checks[name] = {"ok": result.ok, "detail": result.detail, "seconds": round(result.seconds, 3)}
+    problem = None
     if state.admission.is_draining:
-        return APIError(503, "draining: the server is shutting down", code="not_ready").response()
-    if not state.engine_is_running:
-        return APIError(503, "engine is not running", code="not_ready").response()
-    try:
-        with state.sessions() as session:
-            session.execute(text("SELECT 1"))
-    except Exception as exc:  # noqa: BLE001 - any database failure means "not ready"
-        return APIError(503, f"database unreachable: {type(exc).__name__}", code="not_ready").response()
-    return {"status": "ready", "model": state.model_name}
+        problem = "draining: the server is shutting down"
+    elif not state.engine_is_running:
+        problem = "engine is not running"
+    elif not checks["database"]["ok"]:
+        problem = f"database unreachable: {checks['database']['detail']}"
+    if problem is not None:
+        error = APIError(503, problem, code="not_ready")
+        return JSONResponse({**error.body(), "checks": checks}, status_code=503, headers={"Retry-After": "5"})
+    status = "ready" if all(c["ok"] for c in checks.values()) else "degraded"
+    return {"status": status, "model": state.model_name, "checks": checks}

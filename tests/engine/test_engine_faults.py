@@ -1,0 +1,171 @@
+"""The engine thread survives anything a request does, and never waits on an observer's I/O.
+
+Faults are injected at each point a request reaches the engine thread: a queued command (abort, add,
+any call), an adapter failure, the model step (once, and every time), and a slow `on_finished`
+observer (metering's journal under a slow fsync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from base_engine import AsyncEngine, EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from base_engine.async_engine import MAX_CONSECUTIVE_FAILURES
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_llama_dir):
+    engine = AsyncEngine(LLMEngine(tiny_llama_dir, config=EngineConfig(num_kv_blocks=64, block_size=4)))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+async def _run(engine: AsyncEngine, rid: str, prompt: list[int] | None = None, params=PARAMS):
+    async def collect():
+        last = None
+        async for out in engine.generate(EngineRequest(rid, prompt or [5, 6, 7, 8], params)):
+            last = out
+        return last
+
+    return await asyncio.wait_for(collect(), 30)  # a dead engine thread would hang it forever
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.01)
+
+
+def test_failing_commands_do_not_stop_the_engine(engine, monkeypatch) -> None:
+    real_abort = engine.engine.abort
+
+    def broken_abort(request_id: str):
+        raise RuntimeError("injected abort failure")
+
+    monkeypatch.setattr(engine.engine, "abort", broken_abort)
+    engine.abort("nobody")  # raises on the engine thread
+    engine._submit(lambda: 1 / 0)  # any queued command that raises
+    monkeypatch.setattr(engine.engine, "abort", real_abort)
+    out = asyncio.run(_run(engine, "after"))
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert engine.is_healthy
+
+
+def test_failing_add_fails_only_that_request(engine, monkeypatch) -> None:
+    real_add = engine.engine.add_request
+
+    def add(request_id, *args, **kwargs):
+        if request_id == "bad":
+            raise RuntimeError("injected add failure")
+        return real_add(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine.engine, "add_request", add)
+
+    async def main():
+        return await asyncio.gather(_run(engine, "bad"), _run(engine, "good"))
+
+    bad, good = asyncio.run(main())
+    assert bad.finish_reason == "error" and "injected add failure" in bad.error
+    assert good.finish_reason == "length"
+
+
+def test_step_failure_fails_that_step_only_and_the_engine_goes_on(engine, monkeypatch) -> None:
+    runner = engine.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def execute(batch, lora=None):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected model failure")
+        return real_execute(batch, lora)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    first = asyncio.run(_run(engine, "victim"))
+    assert first.finish_reason == "error" and "injected model failure" in first.error
+    second = asyncio.run(_run(engine, "next"))
+    assert second.finish_reason == "length"
+    assert engine.is_healthy and engine.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_step_that_always_fails_turns_unhealthy_and_ends_every_request(engine, monkeypatch) -> None:
+    def execute(batch, lora=None):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.engine.runner, "execute", execute)
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(_run(engine, f"r{i}") for i in range(3))), 30)
+
+    outs = asyncio.run(main())
+    assert all(o.finish_reason == "error" and "device lost" in o.error for o in outs)
+    _wait_for(lambda: engine.num_consecutive_failures >= 1)
+    # Keep failing: three in a row make it unhealthy (what /health and /ready report).
+    for _ in range(MAX_CONSECUTIVE_FAILURES):
+        asyncio.run(main())
+    assert not engine.is_healthy and not engine.is_running
+    monkeypatch.undo()
+    out = asyncio.run(_run(engine, "recovered"))
+    assert out.finish_reason == "length" and engine.is_healthy
+
+
+def test_adapter_failure_fails_only_its_request(engine, tmp_path) -> None:
+    from adapters.types import AdapterRef
+
+    missing = AdapterRef(id="t/missing@1", sha256="0" * 64, source=str(tmp_path / "nowhere"), name="missing")
+
+    async def main():
+        bad = EngineRequest("bad", [5, 6, 7], PARAMS, adapter=missing)
+
+        async def run_bad():
+            last = None
+            async for out in engine.generate(bad):
+                last = out
+            return last
+
+        return await asyncio.gather(run_bad(), _run(engine, "good"))
+
+    bad, good = asyncio.run(main())
+    assert bad.finish_reason == "error" and good.finish_reason == "length"
+    assert engine.is_healthy
+
+
+def test_blocked_observer_never_blocks_the_engine_thread(engine) -> None:
+    """An observer stuck on I/O (e.g. metering under a slow fsync) holds only the finals behind it:
+    another stream still gets every token, and each final arrives after its observers ran."""
+    entered, gate = threading.Event(), threading.Event()
+    observed: list[str] = []
+
+    def stuck(out) -> None:
+        entered.set()
+        gate.wait(30)
+        observed.append(out.request_id)
+
+    engine.on_finished.append(stuck)
+    long_params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def main():
+        short = asyncio.create_task(_run(engine, "short", [20, 21, 22], SamplingParams(max_tokens=1)))
+        await asyncio.to_thread(entered.wait, 30)  # the observer now blocks the dispatcher
+        tokens: list[int] = []
+        final = None
+        async for out in engine.generate(EngineRequest("long", [9, 10, 11], long_params)):
+            tokens += out.new_token_ids
+            if len(tokens) == 39:  # every token but the last streamed while the observer was stuck
+                assert not short.done() and observed == []
+                gate.set()
+            final = out
+        return await short, final
+
+    short, final = asyncio.run(asyncio.wait_for(main(), 60))
+    assert short.finish_reason == final.finish_reason == "length" and len(final.token_ids) == 40
+    assert observed == ["short", "long"]
