@@ -192,34 +192,32 @@ class LLMEngine:
         self.runner.clear_blocks(self.block_manager.take_fresh_blocks())
         lora_batch = self.lora.prepare_step(batch.row_slots)
         result = self.runner.execute(batch, lora_batch)
-        outputs += [self._fail_non_finite(item.seq) for item in result.non_finite]
         sampled = self._sample(batch, result)
+        is_finite = result.is_finite.tolist()  # read with the sampled ids: no extra wait
+        for item, ok in zip(batch.order, is_finite, strict=True):
+            if not ok:
+                outputs.append(self._fail_non_finite(item.seq))
         for item in sched.scheduled:
             if item.seq.is_finished:
                 continue  # failed above: its blocks are freed and never published
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_full_blocks(item.seq)
         for item, token_id, logprobs in sampled:
-            outputs.append(self._append_token(item.seq, token_id, logprobs))
+            if not item.seq.is_finished:
+                outputs.append(self._append_token(item.seq, token_id, logprobs))
         return outputs
 
     def _sample(
         self, batch: StepBatch, result: StepResult
     ) -> list[tuple[ScheduledSeq, int, dict[int, float] | None]]:
-        """Samples the rows of requests still running (a row that went non-finite is not sampled)."""
-        keep = [i for i, item in enumerate(batch.sampled) if not item.seq.is_finished]
-        if not keep:
+        if not batch.sampled:
             return []
-        logits = result.logits
-        if len(keep) < len(batch.sampled):
-            logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
-        items = [batch.sampled[i] for i in keep]
         rows = [
             SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.generator)
-            for s in items
+            for s in batch.sampled
         ]
-        sampled = self.sampler(logits, rows)
-        return list(zip(items, sampled.token_ids, sampled.logprobs, strict=True))
+        sampled = self.sampler(result.logits, rows)
+        return list(zip(batch.sampled, sampled.token_ids, sampled.logprobs, strict=True))
 
     def _fail_non_finite(self, seq: Sequence) -> RequestOutput:
         """Its values left the serving dtype's range (e.g. an adapter that overflows): the request ends

@@ -94,9 +94,14 @@ class LoraManager:
     def prepare_step(self, row_slots: list[int]) -> LoraStepBatch | None:
         if all(s < 0 for s in row_slots):
             return None  # a base-only step never touches the LoRA path
-        token_slots = torch.tensor(row_slots, dtype=torch.long, device=self.cache.device)
-        meta = build_meta(token_slots, self.cache.pool.num_slots)
-        return LoraStepBatch(self.cache.pool, token_slots, meta)
+        # Built on the host (no device read inside the step), then one copy of each tensor.
+        host_slots = torch.tensor(row_slots, dtype=torch.long)
+        meta = build_meta(host_slots, self.cache.pool.num_slots)
+        device = self.cache.device
+        if device.type == "cpu":
+            return LoraStepBatch(self.cache.pool, host_slots, meta)
+        token_slots = host_slots.pin_memory().to(device, non_blocking=True)
+        return LoraStepBatch(self.cache.pool, token_slots, meta.to(device, non_blocking=True))
 
     def on_finish(self, seq: Sequence) -> None:
         if seq.adapter_slot >= 0:

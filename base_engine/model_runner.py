@@ -21,22 +21,24 @@ from base_engine.scheduler import ScheduledSeq, SchedulerOutput
 
 @dataclass(slots=True)
 class StepBatch:
-    """One step's flattened inputs."""
+    """One step's flattened inputs: built on the host, tensors copied to the device once."""
 
     order: list[ScheduledSeq]  # row-block order: decodes then prefills
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sampled] rows whose logits are sampled
+    input_ids: torch.Tensor  # [T] on the device
+    positions: torch.Tensor  # [T] on the device
+    max_position: int  # max(positions), known on the host
+    meta: AttentionMetadata  # tensors on the device
+    sample_rows: torch.Tensor  # [num_sampled] rows whose logits are sampled, on the device
     sampled: list[ScheduledSeq]  # the requests those rows belong to, same order
     row_slots: list[int]  # adapter slot of every row (-1 = base model), for the LoRA metadata
-    row_starts: list[int]  # first row of each request of `order`; its rows end where the next begins
+    seq_of_row: torch.Tensor  # [T] int64 on the device: index into `order` of each row's request
+    sampled_seq: torch.Tensor  # [num_sampled] int64 on the device: index into `order`
 
 
 @dataclass(slots=True)
 class StepResult:
-    logits: torch.Tensor  # [num_sampled, vocab] fp32, rows of batch.sampled
-    non_finite: list[ScheduledSeq]  # requests whose hidden states or logits hold NaN/Inf this step
+    logits: torch.Tensor  # [num_sampled, vocab] fp32, rows of batch.sampled (zeros where not finite)
+    is_finite: torch.Tensor  # [len(order)] bool on the device: no NaN/Inf in the request's rows
 
 
 class ModelRunner:
@@ -60,7 +62,13 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
         self.rope = RopeCache(config.rope, config.head_dim, dtype=dtype, device=device)
-        self.rope(torch.tensor([max_model_len - 1]))  # build the whole table once, up front
+        self.rope(torch.tensor([max_model_len - 1], device=device), max_model_len - 1)  # whole table, once
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor of step metadata on the engine's device (CUDA: pinned, asynchronous copy)."""
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         # Rows grouped by adapter slot, so each adapter's rows form one contiguous run that the LoRA
@@ -72,44 +80,52 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         row_slots: list[int] = []
+        seq_of_row: list[int] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledSeq] = []
+        sampled_seq: list[int] = []
         chunks: list[PrefillChunk] = []
-        row_starts: list[int] = []
         bs = self.block_size
         decode_rows: list[int] = []
-        for item in order:
+        for index, item in enumerate(order):
             seq, start, n = item.seq, item.start, item.num_new_tokens
             row = len(input_ids)
-            row_starts.append(row)
             input_ids += seq.token_ids(start, start + n)
             table = seq.block_table
             for pos in range(start, start + n):
                 slots.append(table[pos // bs] * bs + pos % bs)
             positions += range(start, start + n)
             row_slots += [seq.adapter_slot] * n
+            seq_of_row += [index] * n
             if item.is_sampled:
                 sample_rows.append(row + n - 1)
                 sampled.append(item)
+                sampled_seq.append(index)
             if _is_decode(item):
                 decode_rows.append(row)
             else:
-                block_table = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long)
-                chunks.append(
-                    PrefillChunk(row, n, start, block_table, chunk_mask(start, n, self.sliding_window))
-                )
+                block_table = self.to_device(torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long))
+                mask = chunk_mask(start, n, self.sliding_window)
+                mask = None if mask is None else self.to_device(mask)
+                chunks.append(PrefillChunk(row, n, start, block_table, mask))
         meta = self._decode_meta(decodes, decode_rows)
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
+        meta.slot_mapping = self.to_device(torch.tensor(slots, dtype=torch.long))
         meta.prefills = chunks
+
+        def host(values: list[int]) -> torch.Tensor:
+            return self.to_device(torch.tensor(values, dtype=torch.long))
+
         return StepBatch(
             order=order,
-            input_ids=torch.tensor(input_ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
+            input_ids=host(input_ids),
+            positions=host(positions),
+            max_position=max(positions),
             meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            sample_rows=host(sample_rows),
             sampled=sampled,
             row_slots=row_slots,
-            row_starts=row_starts,
+            seq_of_row=host(seq_of_row),
+            sampled_seq=host(sampled_seq),
         )
 
     def _decode_meta(self, decodes: list[ScheduledSeq], rows: list[int]) -> AttentionMetadata:
@@ -123,6 +139,10 @@ class ModelRunner:
             dtype=self.dtype,
             null_block=self.null_block,
         )
+        for bucket in buckets:
+            bucket.rows = self.to_device(bucket.rows)
+            bucket.block_tables = self.to_device(bucket.block_tables)
+            bucket.mask = None if bucket.mask is None else self.to_device(bucket.mask)
         return AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=buckets, prefills=[]
         )
@@ -131,33 +151,25 @@ class ModelRunner:
         """Zero blocks handed to new owners (whatever the previous owner left, NaN included)."""
         if not block_ids:
             return
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        index = self.to_device(torch.tensor(block_ids, dtype=torch.long))
         for cache in self.kv_caches:
             cache.index_fill_(1, index, 0)
 
+    @torch.inference_mode()
     def execute(self, batch: StepBatch, lora: LoraBatch | None = None) -> StepResult:
-        """Runs the model; logits for batch.sampled and the requests that went non-finite."""
-        cos_sin = self.rope(batch.positions)
+        """Runs the model: logits for batch.sampled and which requests stayed finite. No host sync."""
+        cos_sin = self.rope(batch.positions, batch.max_position)
         hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora)
         logits = self.model.logits(hidden.index_select(0, batch.sample_rows))
-        return StepResult(logits, self._non_finite(batch, hidden, logits))
-
-    def _non_finite(self, batch: StepBatch, hidden: torch.Tensor, logits: torch.Tensor) -> list[ScheduledSeq]:
         # A row's own K/V feed its own attention, so a NaN/Inf written to the cache at any layer shows
-        # in that row's final hidden state; logits can still overflow on their own. One host sync in
-        # the common case (everything finite).
-        row_ok = torch.isfinite(hidden).all(dim=-1)  # [T]
-        sample_ok = torch.isfinite(logits).all(dim=-1)  # [num_sampled]
-        if bool(row_ok.all()) and bool(sample_ok.all()):
-            return []
-        bad_rows = set((~row_ok).nonzero().flatten().tolist())
-        bad_rows |= {int(batch.sample_rows[i]) for i in (~sample_ok).nonzero().flatten().tolist()}
-        ends = batch.row_starts[1:] + [len(batch.input_ids)]
-        return [
-            item
-            for item, start, end in zip(batch.order, batch.row_starts, ends, strict=True)
-            if any(start <= r < end for r in bad_rows)
-        ]
+        # in that row's final hidden state; logits can still overflow on their own.
+        num_bad = torch.zeros(len(batch.order), dtype=torch.int32, device=hidden.device)
+        num_bad.index_add_(0, batch.seq_of_row, (~torch.isfinite(hidden).all(dim=-1)).to(torch.int32))
+        num_bad.index_add_(0, batch.sampled_seq, (~torch.isfinite(logits).all(dim=-1)).to(torch.int32))
+        is_finite = num_bad == 0
+        # Rows of failed requests sample from zeros (harmless, discarded): no host read here.
+        logits.masked_fill_(~is_finite.index_select(0, batch.sampled_seq).unsqueeze(1), 0.0)
+        return StepResult(logits, is_finite)
 
 
 def allocate_kv_caches(

@@ -121,9 +121,16 @@ class RopeCache:
         self.cos = torch.empty(0, head_dim, dtype=dtype, device=device)
         self.sin = torch.empty(0, head_dim, dtype=dtype, device=device)
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin each [num_tokens, head_dim] in the cache dtype for int64 `positions`."""
-        needed = int(positions.max().item()) + 1 if positions.numel() else 0
+    def __call__(
+        self, positions: torch.Tensor, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin each [num_tokens, head_dim] in the cache dtype for int64 `positions`.
+
+        `max_position` (known on the host) spares reading positions back from the device.
+        """
+        if max_position is None:
+            max_position = int(positions.max().item()) if positions.numel() else -1
+        needed = max_position + 1
         if needed > self.cos.shape[0]:
             # Double to amortise growth; compute in float32, then cast once.
             size = max(needed, 2 * self.cos.shape[0], 256)

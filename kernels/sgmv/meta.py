@@ -11,7 +11,7 @@ let the kernels size their launch grids without reading device memory again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -49,6 +49,17 @@ class SgmvMeta:
     @property
     def device(self) -> torch.device:
         return self.sorted_rows.device
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> SgmvMeta:
+        """The same metadata with its tensors on `device` (built on the host once per step, then one
+        copy each: no device-to-host read inside the step)."""
+        if self.device == torch.device(device):
+            return self
+        move = {
+            name: getattr(self, name).to(device, non_blocking=non_blocking)
+            for name in ("sorted_rows", "sorted_slots", "seg_starts", "seg_lens", "seg_slots")
+        }
+        return replace(self, **move, scratch={})
 
 
 def _check_token_slots(token_slots: Tensor, num_slots: int) -> None:
