@@ -100,7 +100,8 @@ class LoraManager:
         device = self.cache.device
         if device.type == "cpu":
             return LoraStepBatch(self.cache.pool, host_slots, meta)
-        token_slots = host_slots.pin_memory().to(device, non_blocking=True)
+        pinned = host_slots.pin_memory() if device.type == "cuda" else host_slots
+        token_slots = pinned.to(device, non_blocking=True)
         return LoraStepBatch(self.cache.pool, token_slots, meta.to(device, non_blocking=True))
 
     def on_finish(self, seq: Sequence) -> None:

@@ -68,7 +68,9 @@ class ModelRunner:
         """A host tensor of step metadata on the engine's device (CUDA: pinned, asynchronous copy)."""
         if self.device.type == "cpu":
             return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         # Rows grouped by adapter slot, so each adapter's rows form one contiguous run that the LoRA
