@@ -17,7 +17,7 @@ from base_engine.block_manager import BlockManager
 from base_engine.config import ModelConfig, load_model_config
 from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
-from base_engine.kv_sizing import num_kv_blocks
+from base_engine.kv_sizing import plan_memory
 from base_engine.lora import make_lora_manager
 from base_engine.model_runner import ModelRunner, StepBatch, StepResult, allocate_kv_caches
 from base_engine.outputs import EngineStats, RequestOutput
@@ -44,6 +44,29 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The device to serve on; a CUDA device on a machine without one is refused, naming why."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in (
+        "cpu",
+        "cuda",
+        "meta",
+    ):  # meta: shape-only runs (the device guard test)
+        raise ValueError(f"device {str(device)!r} is not supported; expected 'cpu' or 'cuda[:N]'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {str(device)!r} was asked for, but CUDA is not available here (torch "
+                f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); serve with --device cpu"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return dev
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -59,13 +82,13 @@ class LLMEngine:
         self.model_dir = Path(model_dir)
         self.model_config = load_model_config(self.model_dir)
         self.config = config or EngineConfig()
-        self.device = torch.device(device)
+        self.device = check_device(device)
         self.dtype = resolve_dtype(dtype, self.model_config)
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         model = load_model(self.model_dir, self.model_config, dtype=self.dtype, device=self.device)
-        num_blocks = num_kv_blocks(self.model_config, self.config, dtype=self.dtype, device=self.device)
+        num_blocks = plan_memory(self.model_config, self.config, dtype=self.dtype, device=self.device)
         kv_caches = allocate_kv_caches(
             self.model_config,
             num_blocks=num_blocks,

@@ -150,11 +150,7 @@ class LoraManager:
 
 def make_lora_manager(engine: LLMEngine, fetch: Fetch | None) -> LoraManager:
     cfg = engine.config
-    num_slots = cfg.max_loras
-    if engine.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(engine.device)
-        per_slot = SlotPool.bytes_per_slot(engine.model_config.base_shapes(), cfg.max_lora_rank, engine.dtype)
-        num_slots = max(1, min(num_slots, int(free * cfg.lora_memory_fraction) // per_slot))
+    num_slots = cfg.max_loras  # on CUDA reserved before the KV cache was sized (kv_sizing.plan_memory)
     cache = AdapterCache(
         engine.model_config.base_shapes(),
         fetch=fetch or local_fetch,

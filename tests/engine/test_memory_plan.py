@@ -1,0 +1,60 @@
+"""Device memory plan: the configured adapter slots are reserved before the KV pool is sized, or
+start-up refuses with the figures (CUDA used to size slots from what the KV cache left: 3 of 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapters.slots import SlotPool
+from adapters.types import BaseModelShapes
+from base_engine.config import load_model_config
+from base_engine.engine_config import EngineConfig
+from base_engine.kv_sizing import GIB, num_kv_blocks, slot_bytes
+from base_engine.model_runner import kv_bytes_per_block
+
+LLAMA3_8B = BaseModelShapes(
+    model_type="llama", num_layers=32, hidden_size=4096, intermediate_size=14336,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+)  # fmt: skip
+
+
+def test_configured_slots_fit_or_start_up_refuses_with_figures() -> None:
+    engine = EngineConfig(max_loras=4, max_lora_rank=64, lora_memory_fraction=0.1)
+    per_slot = SlotPool.bytes_per_slot(LLAMA3_8B, 64, torch.bfloat16)
+    assert slot_bytes(LLAMA3_8B, engine, dtype=torch.bfloat16, free_bytes=40 * GIB) == 4 * per_slot
+    with pytest.raises(ValueError, match=r"max_loras=4 .* need 1\.25 GiB .* allows 1\.00 GiB \(3 slots\)"):
+        slot_bytes(LLAMA3_8B, engine, dtype=torch.bfloat16, free_bytes=10 * GIB)
+
+
+def test_kv_pool_gets_the_memory_left_after_the_slots(tiny_llama_dir) -> None:
+    config = load_model_config(tiny_llama_dir)
+    engine = EngineConfig(block_size=16, kv_cache_memory_fraction=0.5)
+    per_block = kv_bytes_per_block(config, 16, torch.float32)
+    free, reserved = 1000 * per_block, 200 * per_block
+    assert num_kv_blocks(config, engine, dtype=torch.float32, free_bytes=free - reserved) == 400
+    assert num_kv_blocks(config, EngineConfig(num_kv_blocks=7), dtype=torch.float32, free_bytes=free) == 7
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_cuda_is_refused_clearly(tiny_llama_dir) -> None:
+    from base_engine.engine import LLMEngine
+
+    with pytest.raises(ValueError, match=r"CUDA is not available here .* serve with --device cpu"):
+        LLMEngine(tiny_llama_dir, device="cuda", dtype="bfloat16")
+    with pytest.raises(ValueError, match="not supported"):
+        LLMEngine(tiny_llama_dir, device="tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_serve_with_cuda_refuses_before_starting(tiny_llama_dir, tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "from api.cli import main; main()"
+    cmd = [sys.executable, "-c", code, "serve", "--model", str(tiny_llama_dir), "--data-dir", str(tmp_path),
+           "--device", "cuda", "--dtype", "bfloat16", "--port", "1"]  # fmt: skip
+    env = {**os.environ, "COLUMNS": "400"}  # one line, so the message is not wrapped
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "CUDA is not available" in done.stderr, done.stderr[-2000:]
