@@ -2,31 +2,30 @@
 
 Tiers: device slots (`max_loras`, fixed tensors, see slots.py) <- host tier (`max_cpu_loras` parsed
 adapters) <- `fetch(ref) -> local dir` (the registry's disk tier in the server, the path offline).
-Loading (fetch, parse, validate, convert) runs on a background worker; the engine thread only
-copies a host-tier adapter into a free slot. Eviction is LRU among slots that no in-flight request
-pins and the operator has not pinned (S-LoRA's unified cache, without paging: slots are fixed-size).
+Loading (fetch, parse, validate, convert) runs in the background (loader.py: small pools, deadlines,
+retries with backoff); the engine thread only copies a host-tier adapter into a free slot. Eviction is
+LRU among slots that no in-flight request pins and the operator has not pinned (S-LoRA's unified
+cache, without paging: slots are fixed-size).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from adapters.format import LoraAdapter, load_adapter
+from adapters.loader import RETRY_UNREACHABLE_S, AdapterLoader, Fetch, PendingLoad
 from adapters.slots import SlotPool
 from adapters.types import AdapterRef, BaseModelShapes
 
 logger = logging.getLogger(__name__)
 
-Fetch = Callable[[AdapterRef], Path]
+__all__ = ["RETRY_UNREACHABLE_S", "AdapterCache", "CacheStats", "Fetch", "adapter_bytes"]
 
 
 @dataclass(slots=True)
@@ -45,12 +44,6 @@ class _Slot:
     ref: AdapterRef | None = None
     num_requests: int = 0  # in-flight requests pinning it
     last_used: float = 0.0
-
-
-@dataclass(slots=True)
-class _Pending:
-    future: Future[LoraAdapter]
-    started: float = field(default_factory=time.monotonic)
 
 
 class AdapterCache:
@@ -76,12 +69,14 @@ class AdapterCache:
         self.slot_of: dict[str, int] = {}  # ref.id -> device slot
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # ref.id -> parsed adapter, LRU order
         self.host_bytes: dict[str, int] = {}  # ref.id -> bytes of its factors, computed once at load
-        self.pending: dict[str, _Pending] = {}
-        self.failed: dict[str, str] = {}  # ref.id -> why it cannot be served
         self.pinned: dict[str, AdapterRef] = {}  # operator pins, by ref.id
         self.stats = CacheStats()
-        self._lock = threading.Lock()
-        self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-loader")
+        parse = partial(load_adapter, base=base, dtype=dtype, max_lora_rank=max_lora_rank)
+        self.loader = AdapterLoader(fetch, parse)
+
+    @property
+    def pending(self) -> dict[str, PendingLoad]:
+        return self.loader.pending
 
     # ---- where an adapter is ------------------------------------------------------------------
 
@@ -92,45 +87,40 @@ class AdapterCache:
         return out
 
     def error(self, ref: AdapterRef) -> str | None:
-        return self.failed.get(ref.id)
+        """Why `ref` cannot be served now, or None (loaded, loading, or a lapsed failure retried now)."""
+        message = self.loader.error(ref)
+        if message is None and ref.id in self.loader.failed:
+            self.request_load(ref)  # the pause after a transient failure is over: try again
+        return message
+
+    def retry_after_s(self, ref: AdapterRef) -> float | None:
+        """After a transient load failure: seconds until the next try (what a 503 tells clients)."""
+        return self.loader.retry_after_s(ref)
 
     # ---- background loading -------------------------------------------------------------------
 
     def request_load(self, ref: AdapterRef) -> None:
-        """Start loading into the host tier unless resident, loading or failed. Never blocks."""
-        if ref.id in self.host or ref.id in self.slot_of or ref.id in self.pending or ref.id in self.failed:
+        """Start loading into the host tier unless resident, loading or refused. Never blocks."""
+        if ref.id in self.host or ref.id in self.slot_of:
             return
-        self.pending[ref.id] = _Pending(self._workers.submit(self._load, ref))
+        self.loader.start(ref)
 
-    def _load(self, ref: AdapterRef) -> LoraAdapter:
-        directory = self.fetch(ref)
-        return load_adapter(directory, base=self.base, dtype=self.dtype, max_lora_rank=self.max_lora_rank)
-
-    def poll(self) -> list[tuple[AdapterRef | str, str]]:
+    def poll(self) -> list[tuple[str, str]]:
         """Moves finished loads into the host tier; returns (ref id, error) for loads that failed."""
-        failures: list[tuple[AdapterRef | str, str]] = []
-        for ref_id, pending in list(self.pending.items()):
-            if not pending.future.done():
-                continue
-            del self.pending[ref_id]
-            exc = pending.future.exception()
-            if exc is not None:
-                self.stats.num_load_failures += 1
-                self.failed[ref_id] = f"adapter {ref_id!r} cannot be served: {exc}"
-                failures.append((ref_id, self.failed[ref_id]))
-                continue
-            adapter = pending.future.result()
+        done, failures = self.loader.poll()
+        self.stats.num_load_failures += len(failures)
+        for ref_id, adapter, seconds in done:
             if self.device.type == "cuda":
                 adapter = _pin_host_memory(adapter)
             self.stats.num_loads += 1
-            self.stats.load_seconds += time.monotonic() - pending.started
+            self.stats.load_seconds += seconds
             self.host[ref_id] = adapter
             self.host_bytes[ref_id] = adapter_bytes(adapter)
             self._trim_host()
         return failures
 
     def forget_failure(self, ref: AdapterRef) -> None:
-        self.failed.pop(ref.id, None)
+        self.loader.forget(ref)
 
     def _trim_host(self) -> None:
         # Adapters in a device slot stay in the host tier (they are its source); evict others LRU.
@@ -217,7 +207,7 @@ class AdapterCache:
         return sum(s.num_requests for s in self.slots)
 
     def shutdown(self) -> None:
-        self._workers.shutdown(wait=False, cancel_futures=True)
+        self.loader.shutdown()
 
 
 def adapter_bytes(adapter: LoraAdapter) -> int:

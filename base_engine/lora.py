@@ -26,9 +26,17 @@ if TYPE_CHECKING:
     from base_engine.engine import LLMEngine
 
 
-def local_fetch(ref: AdapterRef) -> Path:
-    """Offline: the ref's source is the adapter directory itself."""
-    return Path(ref.source)
+class LocalFetch:
+    """Offline: the ref's source is the adapter directory itself (always a local-disk hit)."""
+
+    def __call__(self, ref: AdapterRef) -> Path:
+        return Path(ref.source)
+
+    def local_path(self, ref: AdapterRef) -> Path:
+        return Path(ref.source)
+
+
+local_fetch = LocalFetch()
 
 
 class LoraStepBatch:

@@ -63,7 +63,8 @@ class DiskTier:
         self._lock = threading.Lock()  # guards _entries
         self._fetch_locks: dict[str, threading.Lock] = {}  # one download per entry at a time
         self._entries: OrderedDict[str, int] = OrderedDict()  # entry name -> bytes, oldest first
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root.chmod(0o700)  # tenants' adapters: readable by the server's user only
         self._load_index()
 
     def _load_index(self) -> None:
@@ -94,6 +95,22 @@ class DiskTier:
 
     def __call__(self, ref: AdapterRef) -> Path:
         return self.fetch(ref)
+
+    def local_path(self, ref: AdapterRef) -> Path | None:
+        """The adapter's directory when it is already on this disk (no download), else None."""
+        try:
+            config_sha256, weights_sha256 = parse_source(ref.source)
+        except ValueError:
+            return None  # `fetch` names what is wrong with the source
+        if ref.sha256 != weights_sha256:
+            return None
+        name = _entry_name(config_sha256, weights_sha256)
+        path = self.root / name
+        with self._lock:
+            if name in self._entries and path.is_dir():
+                self._entries.move_to_end(name)
+                return path
+        return None
 
     def fetch(self, ref: AdapterRef) -> Path:
         """A local directory with the adapter's two files, downloading and verifying on a miss.
@@ -127,10 +144,12 @@ class DiskTier:
 
     def _download(self, config_sha256: str, weights_sha256: str, path: Path) -> int:
         tmp = self.root / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)
         try:
             get_verified(self.store, config_sha256, tmp / CONFIG_FILE)
             get_verified(self.store, weights_sha256, tmp / WEIGHTS_FILE)
+            for name in (CONFIG_FILE, WEIGHTS_FILE):
+                (tmp / name).chmod(0o600)
             num_bytes = _dir_bytes(tmp)
             if path.exists():
                 # Another process sharing the root won the race; its copy was verified too.
