@@ -72,7 +72,8 @@ def plan(meta: SgmvMeta, max_rows: int) -> BagPlan | None:
         return meta.scratch[key]
     short, long = [], []
     for g, length in enumerate(meta.seg_lens_host):
-        (short if length <= max_rows else long).append(g)
+        if length > 0:  # 0: padding of fixed-capacity metadata (static_meta.py)
+            (short if length <= max_rows else long).append(g)
     result = None
     if len(short) >= BAG_MIN_SEGMENTS:
         pairs = sorted(

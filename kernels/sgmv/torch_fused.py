@@ -69,6 +69,8 @@ def add_lora_segments(
     rows = meta.sorted_rows_host
     for g in range(meta.num_segments) if only is None else only:
         start, length, slot = meta.seg_starts_host[g], meta.seg_lens_host[g], meta.seg_slots_host[g]
+        if length == 0:
+            continue  # padding of fixed-capacity metadata (static_meta.py)
         row = rows[start]
         if rows[start + length - 1] - row != length - 1:
             _scattered(y_slices, x, views, meta, start, length, slot, ranks, scales)

@@ -37,6 +37,8 @@ def segments(meta: SgmvMeta) -> Iterator[Segment]:
     for start, length, slot in zip(
         meta.seg_starts_host, meta.seg_lens_host, meta.seg_slots_host, strict=True
     ):
+        if length == 0:
+            continue  # padding of fixed-capacity metadata (static_meta.py)
         # rows of a segment ascend (stable sort), so they are contiguous iff they span exactly `length`
         yield Segment(slot, start, length, rows[start], rows[start + length - 1] - rows[start] == length - 1)
 
