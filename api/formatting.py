@@ -26,7 +26,7 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 def finish_reason(reason: str | None) -> str | None:
     # "abort" and "error" never reach a successful response (api/responses.py turns them into errors).
-    return reason if reason in (None, "stop", "length") else "stop"
+    return reason if reason in (None, "stop", "length", "tool_calls") else "stop"
 
 
 def _top(entries: dict[int, float], num_top: int) -> list[tuple[int, float]]:
@@ -97,10 +97,19 @@ def completion_choice(
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
 
-def chat_choice(index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+def chat_choice(
+    index: int,
+    text: str | None,
+    reason: str | None,
+    logprobs: dict[str, Any] | None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason(reason),
     }
@@ -133,10 +142,13 @@ def chunk_choice(
     logprobs: dict[str, Any] | None,
     *,
     role: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     if ctx.kind == "completion":
         return completion_choice(index, text, reason, logprobs)
     delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {}
     if text and not role:
         delta["content"] = text
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}

@@ -25,6 +25,8 @@ from api.errors import APIError, model_not_found
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.sampling import check_stream_options, encode_chat_prompt, encode_completion_prompts, sampling_params
 from api.state import AppState
+from api.structured_outputs import request_grammar
+from api.tools import ToolPlan, plan_tools
 from base_engine.async_engine import EngineRequest, failed_output
 from base_engine.outputs import RequestOutput
 from registry.adapters import resolve_adapter
@@ -41,6 +43,7 @@ class GenerationPlan:
     stream: bool
     include_usage: bool
     num_top_logprobs: int | None  # None = no logprobs asked
+    tools: ToolPlan | None = None  # chat with `tools`: how to parse the output (api/tools.py)
     is_started: bool = False  # run_choices began: from then on it reports every engine request's end
 
 
@@ -69,10 +72,13 @@ def plan_generation(
     include_usage = check_stream_options(body)
     adapter = resolve_model(state, session, caller, body.model)
     engine = state.engine.engine
+    tools = None
     if isinstance(body, ChatCompletionRequest):
-        prompts = [encode_chat_prompt(state.tokenizer, body)]
+        tools = plan_tools(body, state.tokenizer)
+        prompts = [encode_chat_prompt(state.tokenizer, body, tools)]
     else:
         prompts = encode_completion_prompts(engine, body)
+    grammar = request_grammar(engine, body, tools)  # compiled here, in this worker thread
     n = body.n or 1
     ctx = RequestContext(
         request_id=new_request_id(kind),
@@ -93,7 +99,12 @@ def plan_generation(
     for p, prompt_ids in enumerate(prompts):
         for j in range(n):
             params = sampling_params(
-                body, num_prompt=len(prompt_ids), max_model_len=state.max_model_len, index=j
+                body,
+                num_prompt=len(prompt_ids),
+                max_model_len=state.max_model_len,
+                index=j,
+                constraint=grammar.new_constraint() if grammar is not None else None,
+                keep_special_tokens=tools is not None and tools.keeps_special_tokens,
             )
             request = EngineRequest(
                 request_id=ctx.engine_request_id(p * n + j),
@@ -111,7 +122,7 @@ def plan_generation(
     ctx.engine_request_ids = [r.request_id for r in requests]
     ctx.max_new_tokens = sum(r.params.max_tokens for r in requests)
     top = requests[0].params.logprobs
-    return GenerationPlan(ctx, requests, bool(body.stream), include_usage, top)
+    return GenerationPlan(ctx, requests, bool(body.stream), include_usage, top, tools)
 
 
 async def run_choices(state: AppState, plan: GenerationPlan) -> AsyncIterator[tuple[int, RequestOutput]]:

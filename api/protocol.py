@@ -88,10 +88,45 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; omitted = no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+    refusal: str | None = None  # echoed back by clients that resend a response's message
 
     @field_validator("content")
     @classmethod
@@ -123,12 +158,12 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, str] | None = None  # bookkeeping only: stored nowhere, changes nothing
     store: bool | None = None
     service_tier: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # checked in api/structured_outputs.py
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -138,12 +173,8 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator(
         "store",
         "service_tier",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
         "functions",
         "function_call",
-        "response_format",
         "modalities",
         "audio",
         "prediction",
@@ -155,10 +186,7 @@ class ChatCompletionRequest(_SamplingFields):
         no_op = {
             "store": (None, False),
             "service_tier": (None, "auto", "default"),
-            "tools": (None, []),
-            "tool_choice": (None, "none"),
             "functions": (None, []),
-            "response_format": (None, {"type": "text"}),
             "modalities": (None, ["text"]),
         }.get(info.field_name, (None,))
         if value not in no_op:

@@ -34,6 +34,8 @@ from api.generation import (
 )
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.state import AppState
+from api.tools import finish_reason as tool_finish_reason
+from api.tools import message_fields as tool_fields
 from base_engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -157,8 +159,12 @@ def _response_body(state: AppState, plan: GenerationPlan, finals: list[RequestOu
                 lp = logprobs.chat(out.token_ids, out.logprobs)
             else:
                 lp = logprobs.completion(out.token_ids, out.logprobs)
-        make = fmt.chat_choice if ctx.kind == "chat" else fmt.completion_choice
-        choices.append(make(index, out.text, out.finish_reason, lp))
+        if ctx.kind == "chat":
+            content, calls = tool_fields(plan.tools, out.text)
+            reason = tool_finish_reason(plan.tools, out.finish_reason, len(calls or ()))
+            choices.append(fmt.chat_choice(index, content, reason, lp, calls))
+        else:
+            choices.append(fmt.completion_choice(index, out.text, out.finish_reason, lp))
     return fmt.response_body(ctx, choices, compute_usage(finals, n=ctx.n))
 
 
@@ -167,6 +173,7 @@ async def stream_events(state: AppState, plan: GenerationPlan) -> AsyncIterator[
     logprobs = fmt.LogprobFormatter(state.tokenizer, plan.num_top_logprobs or 0)
     offsets = [0] * len(plan.requests)
     finals: dict[int, RequestOutput] = {}
+    parsers = [plan.tools.parser() for _ in plan.requests] if plan.tools and plan.tools.parses else None
     if ctx.kind == "chat":
         for index in range(len(plan.requests)):
             choice = fmt.chunk_choice(ctx, index, "", None, None, role=True)
@@ -188,8 +195,13 @@ async def stream_events(state: AppState, plan: GenerationPlan) -> AsyncIterator[
                 else:
                     lp = logprobs.completion(out.new_token_ids, out.new_logprobs, offsets[index])
             offsets[index] += len(out.new_text)
-            if out.new_text or out.finished or lp is not None:
-                choice = fmt.chunk_choice(ctx, index, out.new_text, out.finish_reason, lp)
+            text, reason, calls = out.new_text, out.finish_reason, None
+            if parsers is not None:  # tool calls: content and whole calls as they complete
+                parser = parsers[index]
+                text, calls = parser.feed(out.new_text, final=out.finished)
+                reason = tool_finish_reason(plan.tools, reason, parser.num_calls)
+            if text or calls or out.finished or lp is not None:
+                choice = fmt.chunk_choice(ctx, index, text, reason, lp, tool_calls=calls)
                 yield fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage))
     except RequestTimeout:
         yield fmt.sse(_timeout_error(state).body())

@@ -12,6 +12,7 @@ from typing import Any
 
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.tools import ToolPlan, template_messages, template_tools
 from base_engine.sampling_params import SamplingParams
 from base_engine.tokenizer import apply_chat_template
 
@@ -47,10 +48,14 @@ def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list
     return encoded
 
 
-def encode_chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+def encode_chat_prompt(
+    tokenizer: Any, body: ChatCompletionRequest, tools: ToolPlan | None = None
+) -> list[int]:
+    """The rendered chat; with a tool plan, `tools` and tool turns go through the template too."""
+    messages = template_messages(body, tools)
+    kwargs = {"tools": template_tools(tools)} if tools is not None else {}
     try:
-        return apply_chat_template(tokenizer, messages)
+        return apply_chat_template(tokenizer, messages, **kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from None
 
@@ -97,9 +102,18 @@ def check_stream_options(body: CompletionRequest | ChatCompletionRequest) -> boo
 
 
 def sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, *, num_prompt: int, max_model_len: int, index: int
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    num_prompt: int,
+    max_model_len: int,
+    index: int,
+    constraint: Any = None,
+    keep_special_tokens: bool = False,
 ) -> SamplingParams:
-    """The engine's parameters for choice `index` of a prompt of `num_prompt` tokens."""
+    """The engine's parameters for choice `index` of a prompt of `num_prompt` tokens.
+
+    `constraint`: this choice's own grammar matcher (api/structured_outputs.py); `keep_special_tokens`:
+    the text keeps special tokens (a tool-call marker that is one), whatever the request asked."""
     options: dict[str, Any] = {
         "max_tokens": _max_tokens(body, num_prompt, max_model_len),
         "temperature": body.temperature,
@@ -114,8 +128,9 @@ def sampling_params(
         "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos,
         "logprobs": _logprobs(body),
-        "skip_special_tokens": body.skip_special_tokens,
+        "skip_special_tokens": False if keep_special_tokens else body.skip_special_tokens,
         "include_stop_str_in_output": body.include_stop_str_in_output,
+        "constraint": constraint,
     }
     try:
         return SamplingParams(**{k: v for k, v in options.items() if v is not None})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as Seq
@@ -71,13 +72,17 @@ class LLM:
 
     @staticmethod
     def _broadcast(name: str, value: SamplingParams | Seq[SamplingParams], num: int) -> list[SamplingParams]:
-        if isinstance(value, SamplingParams):
-            return [value] * num
-        values = list(value)
+        values = [value] * num if isinstance(value, SamplingParams) else list(value)
         if len(values) != num:
             raise ValueError(
                 f"{name} has {len(values)} entries for {num} prompts; give one or one per prompt"
             )
+        # A grammar constraint holds one request's state: each prompt gets its own copy.
+        seen: set[int] = set()
+        for i, p in enumerate(values):
+            if p.constraint is not None and id(p) in seen:
+                values[i] = dataclasses.replace(p, constraint=p.constraint.fork())
+            seen.add(id(p))
         return values
 
     def _adapter_refs(self, adapters: Seq[str | Path | None] | None, num: int) -> list[AdapterRef | None]:

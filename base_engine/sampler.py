@@ -4,7 +4,9 @@ Semantics follow vLLM's sampler: logprobs are ``log_softmax`` of the raw logits;
 penalty (CTRL, Keskar et al. 2019: over prompt + output, ``logit > 0 -> logit / r`` else
 ``logit * r``), frequency / presence penalties (OpenAI API: over output only,
 ``logit -= f * count + p * (count > 0)``), temperature, top-k, top-p (nucleus, Holtzman et al.
-2019), min-p (Nguyen et al. 2024), and finally a draw.
+2019), min-p (Nguyen et al. 2024), and finally a draw. Rows with a grammar (``params.constraint``,
+base_engine/structured.py) have the tokens it forbids masked to -inf after the penalties; their
+matcher advances by the drawn token.
 
 The draw is inverse-transform sampling: one uniform number per row, looked up in the row's
 cumulative distribution. A seeded request takes its number from its own generator, so its tokens
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from base_engine.sampling_params import SamplingParams
+from base_engine.structured import advance_constraints, apply_constraints
 
 
 @dataclass(slots=True)
@@ -63,12 +66,15 @@ class Sampler:
         random_idx = [i for i, p in enumerate(params) if not p.is_greedy]
         penalty_idx = [i for i, p in enumerate(params) if p.needs_penalties]
         logprob_idx = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not (random_idx or penalty_idx or logprob_idx):
+        constrained_idx = [i for i, p in enumerate(params) if p.constraint is not None]
+        if not (random_idx or penalty_idx or logprob_idx or constrained_idx):
             # All-greedy fast path: one argmax, no per-row work.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         raw = logits.float()  # [num_rows, vocab]
         penalized = apply_penalties(raw, rows) if penalty_idx else raw
+        if constrained_idx:  # grammar masks, on their rows only (logprobs stay those of the raw logits)
+            penalized = apply_constraints(penalized, rows, constrained_idx, copy=penalized is raw)
         if len(random_idx) == len(rows):
             token_ids = self._sample(penalized, rows)
         else:
@@ -77,6 +83,8 @@ class Sampler:
                 index = torch.tensor(random_idx, device=logits.device)
                 token_ids[index] = self._sample(penalized[index], [rows[i] for i in random_idx])
         chosen = token_ids.tolist()
+        if constrained_idx:
+            advance_constraints(rows, constrained_idx, chosen)
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
         if logprob_idx:
             for i, lp in zip(logprob_idx, _logprobs(raw, token_ids, params, logprob_idx), strict=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are treated as greedy: dividing logits by a tiny number overflows, and
 # vLLM uses the same cut-off.
@@ -56,6 +57,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (base_engine/structured.py): this request's own grammar matcher, which masks
+    # its row of the logits before each draw. One request per object (it holds the request's state).
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
@@ -71,6 +75,10 @@ class SamplingParams:
             _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX, f"in [{_SEED_MIN}, {_SEED_MAX}] or None")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] or None")
+        if self.constraint is not None and not all(
+            callable(getattr(self.constraint, m, None)) for m in ("sync", "accept", "fill_mask")
+        ):
+            raise ValueError(f"constraint must be a GrammarConstraint, got {type(self.constraint).__name__}")
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
 

@@ -9,13 +9,14 @@ as it would load a published checkpoint. Nothing is downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -45,16 +46,144 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 MIN_TOKENIZER_VOCAB = 256 + len(SPECIAL_TOKENS) + 8  # byte alphabet + specials + a few merges
 
 # Llama 3 instruct's template shape: bos, then per message a header and the trimmed content + <|eot_id|>.
+# With `tools`, a system turn lists them first and asks for Llama 3.1's JSON calls; assistant calls
+# are written back in that JSON and tool results come in `ipython` turns, as Llama 3.1's template does.
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
+    "{%- if tools %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nYou may call these functions. To call one, answer "
+    'with JSON in the format {"name": function name, "parameters": dictionary of arguments}.\\n\\n\' }}'
+    "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- for call in message.tool_calls %}"
+    "{%- if not loop.first %}{{- '; ' }}{%- endif %}"
+    '{{- \'{"name": "\' + call.function.name + \'", "parameters": \' }}'
+    "{{- call.function.arguments | tojson }}{{- '}' }}"
+    "{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}"
+    "{{- message['content'] | trim }}{{- '<|eot_id|>' }}"
+    "{%- else %}"
     "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
     "{{- message['content'] | trim }}{{- '<|eot_id|>' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
     "{%- endif %}"
 )
+
+# Qwen2.5's template shape (ChatML turns; tools in the system turn; calls in <tool_call> blocks; tool
+# results as <tool_response> in user turns).
+HERMES_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' }}'
+    "{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Mistral v0.3's template shape: [AVAILABLE_TOOLS] before the last user turn, calls after [TOOL_CALLS]
+# as one JSON list, results in [TOOL_RESULTS] (call ids of 9 characters).
+MISTRAL_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}"
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if tools and loop.index0 == ns.last_user %}"
+    "{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}"
+    "{%- endif %}"
+    "{{- '[INST] ' + message['content'] + '[/INST]' }}"
+    "{%- elif message['role'] == 'system' %}"
+    "{{- '[INST] ' + message['content'] + '[/INST]' }}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '[TOOL_CALLS] [' }}"
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.id is not defined or call.id | length != 9 %}"
+    "{{- raise_exception('tool call ids must be 9 characters') }}{%- endif %}"
+    "{%- if not loop.first %}{{- ', ' }}{%- endif %}"
+    '{{- \'{"name": "\' + call.function.name + \'", "arguments": \' + (call.function.arguments | tojson) }}'
+    "{{- ', \"id\": \"' + call.id + '\"}' }}"
+    "{%- endfor %}"
+    "{{- ']' + eos_token }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- ' ' + message['content'] + eos_token }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '[TOOL_RESULTS] {\"content\": ' + (message['content'] | tojson) + ', \"call_id\": \"' }}"
+    "{{- message['tool_call_id'] + '\"}[/TOOL_RESULTS]' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    """A checkpoint family's chat tokens and template (the tool-call syntax comes with the template)."""
+
+    template: str
+    bos: str
+    eos: str  # end of an assistant turn
+    extra_special: tuple[str, ...] = ()  # special tokens beyond SPECIAL_TOKENS
+    extra_added: tuple[str, ...] = ()  # added, non-special tokens (Qwen's <tool_call>)
+
+
+CHAT_FORMATS: dict[str, ChatFormat] = {
+    "llama3": ChatFormat(CHAT_TEMPLATE, BOS_TOKEN, EOS_TOKEN),
+    "hermes": ChatFormat(
+        HERMES_TEMPLATE,
+        BOS_TOKEN,
+        "<|im_end|>",
+        extra_special=("<|im_start|>", "<|im_end|>"),
+        extra_added=("<tool_call>", "</tool_call>"),
+    ),
+    "mistral": ChatFormat(
+        MISTRAL_TEMPLATE,
+        "<s>",
+        "</s>",
+        extra_special=(
+            "<s>",
+            "</s>",
+            "[INST]",
+            "[/INST]",
+            "[TOOL_CALLS]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+        ),
+    ),
+}
 
 # A few KB of plain English (with digits and punctuation) to train the BPE merges on.
 CORPUS = """\
@@ -118,42 +247,60 @@ _ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
 
 
 @functools.lru_cache(maxsize=8)
-def _trained_tokenizer_json(vocab_size: int) -> str:
+def _trained_tokenizer_json(
+    vocab_size: int,
+    extra_special: tuple[str, ...] = (),
+    extra_added: tuple[str, ...] = (),
+    bos: str = BOS_TOKEN,
+) -> str:
     """Train once per vocab size; the BPE trainer is deterministic on a fixed corpus."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    num_added = len(SPECIAL_TOKENS) + len(extra_special) + len(extra_added)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=vocab_size - num_added,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no unknown tokens
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    # Llama 3 prepends <|begin_of_text|> when encoding with add_special_tokens=True.
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS) + list(extra_special))
+    if extra_added:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_added])
+    bos_id = tokenizer.token_to_id(bos)
+    # Llama 3 prepends <|begin_of_text|> when encoding with add_special_tokens=True (Mistral its <s>).
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
     )
     return tokenizer.to_str()
 
 
-def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 512, chat_format: str = "llama3") -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer of at most `vocab_size` ids with Llama-3 specials and chat template.
 
     Same vocabulary on every call. Specials take the last ids: bos `<|begin_of_text|>`, eos `<|eot_id|>`.
+    `chat_format` "hermes" (Qwen2.5's ChatML + <tool_call>) or "mistral" (v0.3's [INST] + [TOOL_CALLS])
+    adds that family's tokens after Llama 3's and uses its template, bos and eos instead.
     """
     if vocab_size < MIN_TOKENIZER_VOCAB:
         raise ValueError(f"tokenizer vocab_size={vocab_size} too small; expected >= {MIN_TOKENIZER_VOCAB}")
+    if chat_format not in CHAT_FORMATS:
+        raise ValueError(f"unknown chat_format {chat_format!r}; expected one of {sorted(CHAT_FORMATS)}")
+    fmt = CHAT_FORMATS[chat_format]
+    additional = [END_OF_TEXT_TOKEN, START_HEADER_TOKEN, END_HEADER_TOKEN]
+    additional += [t for t in (BOS_TOKEN, EOS_TOKEN) if t not in (fmt.bos, fmt.eos)]
+    additional += [t for t in fmt.extra_special if t not in (fmt.bos, fmt.eos)]
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        additional_special_tokens=[END_OF_TEXT_TOKEN, START_HEADER_TOKEN, END_HEADER_TOKEN],
+        tokenizer_object=Tokenizer.from_str(
+            _trained_tokenizer_json(vocab_size, fmt.extra_special, fmt.extra_added, fmt.bos)
+        ),
+        bos_token=fmt.bos,
+        eos_token=fmt.eos,
+        additional_special_tokens=additional,
         clean_up_tokenization_spaces=False,
         model_max_length=131072,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = fmt.template
     return tokenizer
 
 
@@ -198,6 +345,7 @@ def save_random_checkpoint(
     vocab_size: int = 512,
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    chat_format: str = "llama3",
     dtype: torch.dtype = torch.float32,
     max_position_embeddings: int = 2048,
     init_scale: float = 1.6,
@@ -210,11 +358,11 @@ def save_random_checkpoint(
     Same arguments, same weights. Returns `path`.
     """
     path = Path(path)
-    tokenizer = build_tokenizer(min(vocab_size, 512))
+    tokenizer = build_tokenizer(min(vocab_size, 512), chat_format)
     if len(tokenizer) > vocab_size:
         raise ValueError(f"model vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
-    bos_id = tokenizer.convert_tokens_to_ids(BOS_TOKEN)
-    eot_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    bos_id = tokenizer.bos_token_id
+    eot_id = tokenizer.eos_token_id
     end_of_text_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT_TOKEN)
     fields: dict[str, Any] = {
         "hidden_size": hidden_size,

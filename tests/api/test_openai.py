@@ -165,8 +165,8 @@ def test_models_lists_base_first(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"modalities": ["audio"]}, "modalities"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
