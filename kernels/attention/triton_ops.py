@@ -1,0 +1,369 @@
+"""Triton paged attention: decode (split-KV, flash-decoding) and prefill over cached prefix blocks.
+
+Layout (PagedAttention, Kwon et al. SOSP 2023; FlashAttention-2's online softmax; flash-decoding's
+split-KV; vLLM's Triton unified attention for the per-key block lookup):
+  * K/V are read in place from the block pool `kv_cache[0|1]: [num_blocks, block_size, KVH, D]`: each
+    tile of BLOCK_N keys looks up `block_tables[row, pos // block_size]` per key, so no gather copy is
+    made and a tile need not align with blocks;
+  * GQA: one program serves all G = H / KVH query heads of one KV head, so each K/V tile is loaded once
+    for the group (decode: G heads padded to BLOCK_G >= 16 rows; prefill: BLOCK_M rows = queries x G);
+  * fp32 accumulation, online softmax in base 2 (scale * log2(e) folded into the scores); fp16/bf16
+    tiles go to tensor-core dots, P is rounded to V's dtype for the PV dot (as FlashAttention does);
+    fp32 tiles use IEEE dots (TF32 would miss the fp32 tolerance); every dot axis is >= 16;
+  * safety (issue #12): a key is loaded only when some query of the tile may see it; every other slot
+    (beyond seq_len, before a sliding window, unused block-table entries, padded rows) is masked at the
+    load (`other=0`): its block-table entry is not even read, so stale bits (NaN/Inf) never reach an
+    output. Masked scores are -inf and their P is exactly 0 against V loaded as 0;
+  * the running max starts at a finite -1e30, so a row (or split) that sees no key keeps l = 0 and
+    writes zeros instead of NaN (rows with seq_len 0, e.g. CUDA-graph padding rows).
+Decode with NUM_SPLITS > 1 writes per-split (o, log2-sum-exp) to fp32 buffers and a second kernel merges
+them; the grid depends only on (B, KVH, NUM_SPLITS), never on the lengths, so it can be graph-captured.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b in fp32. UPCAST: the CPU interpreter's dot reads fp16/bf16 badly, so widen first."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, s, allowed, v, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax update with scores s (already scaled to base 2) and the V tile v."""
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # exactly 0 where not allowed
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, stride_qt, stride_qh, stride_qd,
+    k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch, stride_cd,
+    bt_ptr, stride_btb, stride_btn,
+    seq_lens_ptr, rows_ptr,
+    out_ptr, stride_ot, stride_oh, stride_od,
+    part_o_ptr, part_lse_ptr, stride_pb, stride_ph, stride_ps,
+    qk_scale, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = b.to(tl.int64)
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    # this split's keys: [k_start, k_end), whole tiles counted from lo
+    tiles = tl.cdiv(tl.maximum(seq_len - lo, 0), BLOCK_N)
+    per_split = tl.cdiv(tiles, NUM_SPLITS) * BLOCK_N
+    k_start = lo + split * per_split
+    k_end = tl.minimum(seq_len, k_start + per_split)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_G,), -1.0e30, dtype=tl.float32)  # finite: no NaN when empty
+    for start in range(k_start, k_end, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < k_end  # and >= k_start >= lo
+        blk = tl.load(bt_row + (pos // BLOCK_SIZE) * stride_btn, mask=valid, other=0).to(tl.int64)
+        kv_off = (
+            blk[:, None] * stride_cb
+            + (pos % BLOCK_SIZE)[:, None] * stride_cs
+            + kvh * stride_ch
+            + offs_d[None, :] * stride_cd
+        )
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, valid[None, :], v, PRECISION, UPCAST)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps  # [BLOCK_G]
+        tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_o_ptr, part_lse_ptr, stride_pb, stride_ph, stride_ps,
+    rows_ptr, out_ptr, stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b.to(tl.int64)
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + b).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    part = b.to(tl.int64) * stride_pb + h * stride_ph + offs_s * stride_ps  # [BLOCK_S]
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
+    o_mask = s_mask[:, None] & d_mask[None, :]  # columns past HEAD_DIM were never written
+    o = tl.load(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=o_mask, other=0.0)
+    num = tl.sum(w[:, None] * o, 0)
+    den = tl.sum(w, 0)
+    res = num / tl.where(den > 0, den, 1.0)
+    o_ptrs = out_ptr + row * stride_ot + h * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, stride_qt, stride_qh, stride_qd,
+    k_ptr, v_ptr, stride_kt, stride_kh, stride_kd,
+    k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch, stride_cd,
+    bt_ptr, stride_btb, stride_btn,
+    query_starts_ptr, query_lens_ptr, seq_lens_ptr,
+    out_ptr, stride_ot, stride_oh, stride_od,
+    qk_scale, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    q_tile = tl.program_id(0)
+    n = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_len = tl.load(query_lens_ptr + n).to(tl.int32)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    q_start = tl.load(query_starts_ptr + n).to(tl.int64)
+    ctx = tl.load(seq_lens_ptr + n).to(tl.int32) - q_len  # tokens cached before this chunk
+
+    # rows of the tile: query q_tile * BLOCK_Q + r // G, head kvh * G + r % G
+    offs_m = tl.arange(0, BLOCK_M)
+    qi = q_tile * BLOCK_Q + offs_m // GROUP
+    row_valid = (offs_m // GROUP < BLOCK_Q) & (qi < q_len)
+    heads = kvh * GROUP + offs_m % GROUP
+    q_pos = ctx + qi
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr
+        + (q_start + qi)[:, None] * stride_qt
+        + heads[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    # keys any valid query of the tile sees: [lo, last + 1)
+    first = ctx + q_tile * BLOCK_Q
+    last = ctx + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
+    lo = 0
+    own_lo = ctx
+    if HAS_WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+        own_lo = tl.maximum(lo, ctx)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+
+    # 1) the cached prefix [lo, ctx), through the block table (always causal-visible: key < ctx <= query)
+    bt_row = bt_ptr + n.to(tl.int64) * stride_btb
+    for start in range(lo, ctx, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < ctx
+        blk = tl.load(bt_row + (pos // BLOCK_SIZE) * stride_btn, mask=valid, other=0).to(tl.int64)
+        kv_off = (
+            blk[:, None] * stride_cb
+            + (pos % BLOCK_SIZE)[:, None] * stride_cs
+            + kvh * stride_ch
+            + offs_d[None, :] * stride_cd
+        )
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+        allowed = row_valid[:, None] & valid[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (q_pos[:, None] - pos[None, :] < window)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, allowed, v, PRECISION, UPCAST)
+
+    # 2) the chunk's own keys [max(lo, ctx), last + 1), from k/v rows q_start + (pos - ctx); causal
+    for start in range(own_lo, last + 1, BLOCK_N):
+        pos = start + offs_n
+        valid = pos <= last
+        kv_off = (q_start + (pos - ctx))[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :] * stride_kd
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
+        allowed = row_valid[:, None] & valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (q_pos[:, None] - pos[None, :] < window)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, allowed, v, PRECISION, UPCAST)
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = (
+        out_ptr
+        + (q_start + qi)[:, None] * stride_ot
+        + heads[:, None] * stride_oh
+        + offs_d[None, :] * stride_od
+    )
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast(t: Tensor) -> bool:
+    """The CPU interpreter's tl.dot reads bf16 as raw integers and keeps fp16 products in fp16."""
+    return not t.is_cuda and t.dtype != torch.float32
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, triton.next_power_of_2(max(n, 1)))
+
+
+def default_num_splits(
+    num_rows: int, num_kv_heads: int, device: torch.device, max_seq_len: int | None
+) -> int:
+    """Flash-decoding splits on a GPU: enough programs for ~2 waves over the SMs, each split >= 256 keys
+    when the longest context is known. A power of two, depending only on the batch shape (and the hint),
+    so a CUDA graph captured per batch size stays valid for any lengths. 1 under the interpreter."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = max(1, num_rows * num_kv_heads)
+    splits = triton.next_power_of_2(max(1, -(-2 * sms // programs)))
+    if max_seq_len is not None:
+        splits = min(splits, triton.next_power_of_2(max(1, -(-max_seq_len // 256))))
+    return max(1, min(splits, 16))
+
+
+def decode(
+    q: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    out: Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    rows: Tensor | None,
+    num_splits: int,
+    block_n: int | None = None,
+) -> None:
+    """Launch the decode kernel (and the split merge when num_splits > 1); arguments already checked."""
+    num_rows = seq_lens.shape[0]
+    if num_rows == 0:
+        return
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    block_d = _pow2_at_least(head_dim, 16)
+    if block_n is None:
+        block_n = 64 if q.is_cuda else 32
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    common = dict(
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_pow2_at_least(group, 16),
+        BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, HAS_ROWS=rows is not None,
+        HAS_WINDOW=sliding_window is not None, PRECISION=_precision(q.dtype), UPCAST=_upcast(q),
+    )  # fmt: skip
+    rows_arg = rows if rows is not None else seq_lens  # never read without HAS_ROWS
+    if num_splits == 1:
+        part_o = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)  # never read
+        part_strides = (0, 0, 0)
+    else:
+        part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(num_rows, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+        part_strides = part_lse.stride()  # part_o is indexed as part_lse's offset * BLOCK_D + d
+    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, *q.stride(), k_cache, v_cache, *k_cache.stride(), block_tables, *block_tables.stride(),
+        seq_lens, rows_arg, out, *out.stride(), part_o, part_lse, *part_strides,
+        scale * LOG2E, sliding_window or 0, **common,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(num_rows, num_heads)](
+            part_o, part_lse, *part_strides, rows_arg, out, *out.stride(),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            BLOCK_S=_pow2_at_least(num_splits, 2), HAS_ROWS=rows is not None,
+        )  # fmt: skip
+
+
+def prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    query_starts: Tensor,
+    query_lens: Tensor,
+    seq_lens: Tensor,
+    out: Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    max_query_len: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """Launch the prefill kernel over every chunk; arguments already checked."""
+    num_chunks = seq_lens.shape[0]
+    if num_chunks == 0 or max_query_len <= 0:
+        return
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    group = q.shape[1] // num_kv_heads
+    wide = q.is_cuda and q.dtype != torch.float32  # fp32 dots are IEEE FMAs: smaller tiles
+    if block_m is None:
+        block_m = (128 if max_query_len * group >= 128 else 64) if wide else 32
+    block_m = max(block_m, _pow2_at_least(group, 16))  # at least one query per tile
+    block_q = block_m // group
+    if block_n is None:
+        block_n = 64 if wide else 32
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if k.stride() != v.stride():
+        k, v = k.contiguous(), v.contiguous()
+    grid = (triton.cdiv(max_query_len, block_q), num_chunks, num_kv_heads)
+    _prefill_kernel[grid](
+        q, *q.stride(), k, v, *k.stride(), k_cache, v_cache, *k_cache.stride(),
+        block_tables, *block_tables.stride(), query_starts, query_lens, seq_lens, out, *out.stride(),
+        scale * LOG2E, sliding_window or 0,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=block_n, BLOCK_D=_pow2_at_least(head_dim, 16), HAS_WINDOW=sliding_window is not None,
+        PRECISION=_precision(q.dtype), UPCAST=_upcast(q), num_warps=8 if block_m >= 128 else 4,
+    )  # fmt: skip
