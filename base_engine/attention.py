@@ -1,4 +1,4 @@
-"""Paged attention in pure PyTorch (the CPU path CI runs; a CUDA/Triton path plugs in at `attend`).
+"""Paged attention: the bucketed PyTorch path (fastest on CPU), or `kernels.attention` (Triton on CUDA).
 
 K/V live in a block pool `[2, num_blocks, block_size, kv_heads, head_dim]` per layer; each sequence
 reaches its tokens through its block table (PagedAttention, SOSP 2023). One step's tokens are flattened:
@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from kernels.attention import PagedAttentionMeta, paged_attention
 
 
 @dataclass(slots=True)
@@ -54,6 +56,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot (block * block_size + offset) per new token
     decode_buckets: list[DecodeBucket]  # single-token decodes grouped by length (plan_decode_buckets)
     prefills: list[PrefillChunk]
+    paged: PagedAttentionMeta | None = None  # set: kernels.attention reads the block tables directly
 
     @property
     def num_decodes(self) -> int:
@@ -205,6 +208,8 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
+    if meta.paged is not None:
+        return paged_attention(q, k, v, kv_cache, meta.paged, scale=scale)
     out = torch.empty_like(q)
     for bucket in meta.decode_buckets:
         _decode(q, kv_cache, bucket, scale, out)

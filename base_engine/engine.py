@@ -18,7 +18,7 @@ from base_engine.config import ModelConfig, load_model_config
 from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
 from base_engine.kv_sizing import plan_memory
-from base_engine.lora import make_lora_manager
+from base_engine.lora import make_decode_graphs, make_lora_manager
 from base_engine.model_runner import ModelRunner, StepBatch, StepResult, allocate_kv_caches
 from base_engine.outputs import EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
@@ -112,9 +112,12 @@ class LLMEngine:
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
             device=self.device,
+            attention=self.config.attention,
         )
         self.sampler = Sampler(seed=self.config.seed)
         self.lora = make_lora_manager(self, fetch)
+        if self.device.type == "cuda" and self.config.enable_cuda_graphs and self.runner.use_paged:
+            self.runner.graphs = make_decode_graphs(self, capture=True)
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
         self.num_steps = 0
@@ -213,7 +216,7 @@ class LLMEngine:
         self.num_steps += 1
         batch = self.runner.prepare(sched)
         self.runner.clear_blocks(self.block_manager.take_fresh_blocks())
-        lora_batch = self.lora.prepare_step(batch.row_slots)
+        lora_batch = None if batch.graph_bucket is not None else self.lora.prepare_step(batch.row_slots)
         result = self.runner.execute(batch, lora_batch)
         sampled = self._sample(batch, result)
         is_finite = result.is_finite.tolist()  # read with the sampled ids: no extra wait

@@ -26,6 +26,11 @@ class EngineConfig:
     lora_memory_fraction: float = 0.1
     # A waiting request older than this is admitted before younger ones whatever its adapter or tenant.
     max_wait_s: float = 5.0
+    # "paged": kernels.attention reads block tables directly (Triton on CUDA, its twin on CPU);
+    # "buckets": decodes in length buckets + per-chunk SDPA (fastest on CPU); "auto": paged on CUDA.
+    attention: str = "auto"
+    # Decode steps replayed from CUDA graphs captured per batch-size bucket (CUDA and paged only).
+    enable_cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank")
@@ -43,6 +48,8 @@ class EngineConfig:
             )
         if not 0.0 < self.lora_memory_fraction < 1.0:
             raise ValueError(f"lora_memory_fraction must be in (0, 1), got {self.lora_memory_fraction}")
+        if self.attention not in ("auto", "paged", "buckets"):
+            raise ValueError(f"attention={self.attention!r}, expected 'auto', 'paged' or 'buckets'")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "

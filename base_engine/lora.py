@@ -23,6 +23,7 @@ from base_engine.sequence import Sequence, SequenceStatus
 from kernels.sgmv import SgmvMeta, add_lora, build_meta
 
 if TYPE_CHECKING:
+    from base_engine.cuda_graphs import DecodeGraphs
     from base_engine.engine import LLMEngine
 
 
@@ -173,4 +174,18 @@ def make_lora_manager(engine: LLMEngine, fetch: Fetch | None) -> LoraManager:
     return LoraManager(cache, policy)
 
 
-__all__ = ["LoraManager", "LoraStepBatch", "SequenceStatus", "make_lora_manager"]
+def make_decode_graphs(engine: LLMEngine, *, capture: bool) -> DecodeGraphs:
+    """Decode CUDA graphs over the engine's runner and adapter slot pool (capture=False: eager replay)."""
+    from base_engine.cuda_graphs import DecodeGraphs
+
+    return DecodeGraphs(
+        engine.runner,
+        max_num_seqs=engine.config.max_num_seqs,
+        max_model_len=engine.max_model_len,
+        lora_pool=engine.lora.cache.pool,
+        make_lora_batch=LoraStepBatch,
+        capture=capture,
+    )
+
+
+__all__ = ["LoraManager", "LoraStepBatch", "SequenceStatus", "make_decode_graphs", "make_lora_manager"]

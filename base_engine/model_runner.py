@@ -9,6 +9,7 @@ first within a slot: e.g. base decode a, base chunk c (3 tokens), slot-0 decode 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,10 @@ from base_engine.config import ModelConfig
 from base_engine.model import CausalLM, LoraBatch
 from base_engine.rope import RopeCache
 from base_engine.scheduler import ScheduledSeq, SchedulerOutput
+from kernels.attention import build_paged_meta
+
+if TYPE_CHECKING:
+    from base_engine.cuda_graphs import DecodeGraphs
 
 
 @dataclass(slots=True)
@@ -33,6 +38,12 @@ class StepBatch:
     row_slots: list[int]  # adapter slot of every row (-1 = base model), for the LoRA metadata
     seq_of_row: torch.Tensor  # [T] int64 on the device: index into `order` of each row's request
     sampled_seq: torch.Tensor  # [num_sampled] int64 on the device: index into `order`
+    graph_bucket: int | None = None  # decode-only step held in this CUDA graph's static buffers
+
+    @property
+    def num_seqs(self) -> int:
+        """Requests the step computes (a graph bucket's padding rows count: its shapes are fixed)."""
+        return self.graph_bucket if self.graph_bucket is not None else len(self.order)
 
 
 @dataclass(slots=True)
@@ -51,12 +62,18 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         device: torch.device,
+        attention: str = "auto",
     ) -> None:
         self.model = model
+        # kernels.attention on CUDA (or when asked); the bucketed torch path is fastest on CPU.
+        self.use_paged = attention == "paged" or (attention == "auto" and device.type == "cuda")
         self.kv_caches = kv_caches
         self.block_size = block_size
-        # The last block of the pool belongs to no request and stays zero: decode buckets pad with it.
-        self.null_block = kv_caches[0].shape[1] - 1 if kv_caches else 0
+        # The pool's two extra blocks belong to no request: the null block stays zero (decode buckets
+        # pad with it), the scratch block takes the K/V writes of CUDA-graph padding rows.
+        self.null_block = kv_caches[0].shape[1] - 2 if kv_caches else 0
+        self.scratch_block = self.null_block + 1
+        self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA (cuda_graphs.py)
         self.device = device
         self.sliding_window = config.sliding_window
         dtype = next(model.parameters()).dtype
@@ -73,6 +90,10 @@ class ModelRunner:
         return tensor.to(self.device, non_blocking=True)
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        if self.graphs is not None:
+            batch = self.graphs.prepare(sched)
+            if batch is not None:
+                return batch
         # Rows grouped by adapter slot, so each adapter's rows form one contiguous run that the LoRA
         # kernels update in place; within a slot, decodes first. Without adapters (all slots -1) this
         # is simply decodes then prefills.
@@ -86,12 +107,14 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[ScheduledSeq] = []
         sampled_seq: list[int] = []
+        row_starts: list[int] = []
         chunks: list[PrefillChunk] = []
         bs = self.block_size
         decode_rows: list[int] = []
         for index, item in enumerate(order):
             seq, start, n = item.seq, item.start, item.num_new_tokens
             row = len(input_ids)
+            row_starts.append(row)
             input_ids += seq.token_ids(start, start + n)
             table = seq.block_table
             for pos in range(start, start + n):
@@ -105,14 +128,17 @@ class ModelRunner:
                 sampled_seq.append(index)
             if _is_decode(item):
                 decode_rows.append(row)
-            else:
+            elif not self.use_paged:
                 block_table = self.to_device(torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long))
                 mask = chunk_mask(start, n, self.sliding_window)
                 mask = None if mask is None else self.to_device(mask)
                 chunks.append(PrefillChunk(row, n, start, block_table, mask))
-        meta = self._decode_meta(decodes, decode_rows)
+        if self.use_paged:
+            meta = self._paged_meta(order, decodes, decode_rows, row_starts)
+        else:
+            meta = self._decode_meta(decodes, decode_rows)
+            meta.prefills = chunks
         meta.slot_mapping = self.to_device(torch.tensor(slots, dtype=torch.long))
-        meta.prefills = chunks
 
         def host(values: list[int]) -> torch.Tensor:
             return self.to_device(torch.tensor(values, dtype=torch.long))
@@ -149,6 +175,31 @@ class ModelRunner:
             slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=buckets, prefills=[]
         )
 
+    def _paged_meta(
+        self,
+        order: list[ScheduledSeq],
+        decodes: list[ScheduledSeq],
+        decode_rows: list[int],
+        starts: list[int],
+    ) -> AttentionMetadata:
+        chunks = [(item, row) for item, row in zip(order, starts, strict=True) if not _is_decode(item)]
+        paged = build_paged_meta(
+            block_size=self.block_size,
+            device=self.device,
+            decode_seq_lens=[d.start + 1 for d in decodes],
+            decode_tables=[d.seq.block_table for d in decodes],
+            decode_rows=decode_rows,
+            prefill_query_starts=[row for _, row in chunks],
+            prefill_query_lens=[item.num_new_tokens for item, _ in chunks],
+            prefill_seq_lens=[item.start + item.num_new_tokens for item, _ in chunks],
+            prefill_tables=[item.seq.block_table for item, _ in chunks],
+            sliding_window=self.sliding_window,
+            pad_block=self.null_block,
+        )
+        return AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=[], prefills=[], paged=paged
+        )
+
     def clear_blocks(self, block_ids: list[int]) -> None:
         """Zero blocks handed to new owners (whatever the previous owner left, NaN included)."""
         if not block_ids:
@@ -159,13 +210,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, lora: LoraBatch | None = None) -> StepResult:
-        """Runs the model: logits for batch.sampled and which requests stayed finite. No host sync."""
+        """Runs the model: logits for batch.sampled and which requests stayed finite. No host sync.
+        A decode step that a captured CUDA graph covers replays it instead (cuda_graphs.py)."""
+        if self.graphs is not None and batch.graph_bucket is not None:
+            return self.graphs.replay(batch)
+        return self.forward(batch, lora)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, lora: LoraBatch | None) -> StepResult:
+        """The step's computation (what a CUDA graph captures)."""
         cos_sin = self.rope(batch.positions, batch.max_position)
         hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora)
         logits = self.model.logits(hidden.index_select(0, batch.sample_rows))
         # A row's own K/V feed its own attention, so a NaN/Inf written to the cache at any layer shows
         # in that row's final hidden state; logits can still overflow on their own.
-        num_bad = torch.zeros(len(batch.order), dtype=torch.int32, device=hidden.device)
+        num_bad = torch.zeros(batch.num_seqs, dtype=torch.int32, device=hidden.device)
         num_bad.index_add_(0, batch.seq_of_row, (~torch.isfinite(hidden).all(dim=-1)).to(torch.int32))
         num_bad.index_add_(0, batch.sampled_seq, (~torch.isfinite(logits).all(dim=-1)).to(torch.int32))
         is_finite = num_bad == 0
@@ -177,9 +236,10 @@ class ModelRunner:
 def allocate_kv_caches(
     config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks + 1, block_size, kv_heads, head_dim] tensor per layer, zeroed (lazily by the OS);
-    the extra last block is the runner's null block (decode padding), never allocated to a request."""
-    shape = (2, num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
+    """One [2, num_blocks + 2, block_size, kv_heads, head_dim] tensor per layer, zeroed (lazily by the OS);
+    the two extra blocks are the runner's null block (decode padding, stays zero) and scratch block (K/V
+    writes of CUDA-graph padding rows), never allocated to a request."""
+    shape = (2, num_blocks + 2, block_size, config.num_key_value_heads, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
 

@@ -40,10 +40,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
     return model_dir, adapters
 
 
-def _engine(model_dir: Path, num_kv_blocks: int = 24) -> LLMEngine:
+def _engine(model_dir: Path, num_kv_blocks: int = 24, attention: str = "buckets") -> LLMEngine:
     config = EngineConfig(
         num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=24, max_num_seqs=6,
-        max_loras=3, max_cpu_loras=4, max_lora_rank=8,
+        max_loras=3, max_cpu_loras=4, max_lora_rank=8, attention=attention,
     )  # fmt: skip
     return LLMEngine(model_dir, config=config)
 
@@ -96,12 +96,13 @@ def _step(engine: LLMEngine, poison: bool) -> dict[str, tuple]:
     return {o.request_id: (o.finish_reason, o.token_ids, o.logprobs) for o in engine.step() if o.finished}
 
 
-def test_stale_and_padded_kv_slots_never_change_a_result(setup) -> None:
+@pytest.mark.parametrize("attention", ["buckets", "paged"])
+def test_stale_and_padded_kv_slots_never_change_a_result(setup, attention: str) -> None:
     model_dir, adapters = setup
-    clean = _engine(model_dir)
+    clean = _engine(model_dir, attention=attention)
     _preload(clean, adapters)
     expected = _run_waves(clean, adapters, poison=False)
-    dirty = _engine(model_dir)
+    dirty = _engine(model_dir, attention=attention)
     _preload(dirty, adapters)
     _poison_free_blocks(dirty)
     got = _run_waves(dirty, adapters, poison=True)
