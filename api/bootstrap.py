@@ -1,8 +1,8 @@
 """Start-up: from `Settings` to a ready `AppState` (database migrated, store checked, engine loaded).
 
 Order matters for a fresh machine: data dir -> migrations on `--db` -> object store -> disk tier ->
-model (the demo checkpoint when no `--model`) -> secrets -> engine -> demo tenant. Also the
-start-up banner: base URL, keys and a ready-to-paste curl line.
+model (downloaded / converted / made on first use: api/model_source.py) -> secrets -> engine -> demo
+tenant. Also the start-up banner: base URL, keys and a ready-to-paste curl line.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import logging
 import shlex
 
 from api.admission import Admission
-from api.demo import ensure_demo_checkpoint, ensure_demo_tenant
+from api.demo import ensure_demo_tenant
+from api.demo_traits import TRAITS
 from api.keyfiles import ADMIN_KEY_FILE, SERVER_SECRET_FILE, new_admin_key, read_or_create_secret
 from api.metering_service import install as install_metering
+from api.model_source import record_served_model
 from api.settings import Settings
 from api.state import AppState
 from base_engine.async_engine import AsyncEngine
@@ -35,15 +37,15 @@ def build_state(settings: Settings) -> AppState:
     store = open_store(settings.registry_url)
     store.check()
     disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
-    if settings.is_demo:
-        ensure_demo_checkpoint(settings.demo_model_dir)
+    model_dir = settings.model_dir()
+    record_served_model(data_dir, settings.model_source)
     if settings.admin_key is not None:
         admin_key, admin_created = settings.admin_key.get_secret_value(), False
     else:
         admin_key, admin_created = read_or_create_secret(data_dir / ADMIN_KEY_FILE, new_admin_key)
     server_secret, _ = read_or_create_secret(data_dir / SERVER_SECRET_FILE, lambda: new_admin_key()[4:])
     engine = LLMEngine(
-        settings.model_dir,
+        model_dir,
         device=settings.device,
         dtype=settings.dtype,
         config=settings.engine_config(),
@@ -58,7 +60,7 @@ def build_state(settings: Settings) -> AppState:
         admin_key=admin_key,
         server_secret=server_secret,
         model_name=settings.model_name,
-        base_shapes=load_model_config(settings.model_dir).base_shapes(),
+        base_shapes=load_model_config(model_dir).base_shapes(),
         admission=Admission(settings.max_in_flight),
         admin_key_created=admin_created,
     )
@@ -71,6 +73,7 @@ def build_state(settings: Settings) -> AppState:
             shapes=state.base_shapes,
             validate=state.validator(),
             base_model=state.model_name,
+            random_adapters=settings.is_random_demo,
         )
     return state
 
@@ -86,7 +89,7 @@ def banner(state: AppState) -> str:
         lines.append(
             f"  admin key:       kept in {settings.data_dir / ADMIN_KEY_FILE} (or LORASERVE_ADMIN_KEY)"
         )
-    if state.demo is not None:
+    if state.demo is not None and settings.is_random_demo:
         body = {
             "model": state.demo.adapter_names[0],
             "messages": [{"role": "user", "content": "Hello!"}],
@@ -98,11 +101,35 @@ def banner(state: AppState) -> str:
             f"(or model '{state.model_name}' for the base model)",
             "",
             "  Try it:",
-            f"  curl {base_url}/v1/chat/completions -H 'Authorization: Bearer {state.demo.api_key}' "
-            f"-H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}",
+            _curl(base_url, state.demo.api_key, body),
             "",
-            "  NOTE: this is the demo model: its weights are RANDOM, so its answers are gibberish.",
-            "  Serve a real Hugging Face Llama/Mistral/Qwen2 checkpoint with:",
-            "      loraserve serve --model /path/to/checkpoint",
+            "  NOTE: this is the random demo model: its weights are RANDOM, so its answers are gibberish.",
+            "  Serve the default model (SmolLM2-135M-Instruct) by leaving out --model, or a Hugging Face",
+            "  Llama/Mistral/Qwen2 checkpoint or a .gguf file with:",
+            "      loraserve serve --model /path/to/checkpoint-or-file.gguf",
+        ]
+    elif state.demo is not None:
+        body = {
+            "model": state.demo.adapter_names[1] if len(state.demo.adapter_names) > 1 else state.model_name,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 64,
+        }
+        adapters = ", ".join(
+            f"{n} ({TRAITS[n].description})" for n in state.demo.adapter_names if n in TRAITS
+        )
+        lines += [
+            f"  demo tenant key: {state.demo.api_key}",
+            f"  demo adapters:   {adapters}",
+            f"                   (or model '{state.model_name}' for the base model)",
+            "",
+            '  Try it (change "model" to another adapter or to the base model):',
+            _curl(base_url, state.demo.api_key, body),
         ]
     return "\n".join(lines)
+
+
+def _curl(base_url: str, api_key: str, body: dict[str, object]) -> str:
+    return (
+        f"  curl {base_url}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
+        f"-H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
+    )

@@ -22,7 +22,13 @@ app.add_typer(db_app, name="db")
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(adapter_app, name="adapter")
 
-ModelOpt = Annotated[Path | None, typer.Option(help="HF checkpoint directory (default: random demo model)")]
+ModelOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="HF checkpoint directory, .gguf file (converted once, cached by hash), 'smollm2' or "
+        "'random-demo' (tests) [default: SmolLM2-135M-Instruct, fetched and converted once]"
+    ),
+]
 DataDirOpt = Annotated[Path | None, typer.Option(help="data directory [default: ./loraserve-data]")]
 DbOpt = Annotated[str | None, typer.Option(help="SQLAlchemy URL [default: SQLite in the data dir]")]
 RegistryOpt = Annotated[
@@ -66,8 +72,14 @@ def serve(
     from api.bootstrap import banner, build_state
     from api.server import run
 
-    if settings.is_demo:
-        typer.echo(f"No --model given: using the random-weight demo model in {settings.demo_model_dir}")
+    try:
+        source = settings.model_source
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
+    if source.kind == "random-demo":
+        typer.echo(f"Using the random-weight demo model in {settings.demo_model_dir}")
+    elif source.kind == "default":
+        typer.echo(f"Serving the default model {source.served_name} (models kept in {settings.models_path})")
     state = build_state(settings)
     typer.echo(banner(state))
     run(create_app(state), state)
@@ -122,7 +134,7 @@ def adapter_push(
     import functools
 
     from adapters.validation import validate_adapter
-    from api.demo import ensure_demo_checkpoint
+    from api.model_source import last_served_model
     from base_engine.config import load_model_config
     from base_engine.engine import DTYPES
     from registry.adapters import register_adapter_version
@@ -131,11 +143,11 @@ def adapter_push(
     from registry.tenants import get_tenant_by_name
 
     settings = load_settings(model=model, db=db, data_dir=data_dir, registry=registry)
-    if settings.is_demo:
-        ensure_demo_checkpoint(settings.demo_model_dir)
+    if settings.model is None and (served := last_served_model(settings.data_dir)) is not None:
+        settings = settings.model_copy(update={"model": Path(served)})  # what `serve` loads here
     validate = functools.partial(
         validate_adapter,
-        base=load_model_config(settings.model_dir).base_shapes(),
+        base=load_model_config(settings.model_dir()).base_shapes(),
         max_lora_rank=settings.max_lora_rank,
         max_size_bytes=settings.max_upload_bytes,
         dtype=DTYPES.get(settings.dtype, DTYPES["float32"]),

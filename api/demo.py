@@ -1,10 +1,14 @@
-"""The embedded demo: a random-weight Llama checkpoint, a `demo` tenant and two demo LoRA adapters.
+"""The embedded demo: a `demo` tenant and its LoRA adapters, for the default model or the random one.
 
-Created once in the data directory when `loraserve serve` runs without `--model`, then reused: the
-demo tenant's key is kept in `<data_dir>/demo-tenant.key` (0600) so the printed curl line works
-after restarts. Adapters are random LoRA factors in PEFT's on-disk format
-(`adapters.synthetic.save_random_adapter`: what `PeftModel.save_pretrained` writes), since peft is
-only a development dependency. The weights are random: outputs are gibberish.
+Created once in the data directory when `loraserve serve` runs without `--model` (the default model,
+SmolLM2-135M-Instruct) or with `--model random-demo`, then reused: the demo tenant's key is kept in
+`<data_dir>/demo-tenant.key` (0600) so the printed curl line works after restarts.
+
+- Default model: the trained adapters shipped in `api/demo_adapters/` (one per trait of
+  `api.demo_traits.TRAITS`: ALL CAPS, pirate, JSON; made by scripts/train_demo_adapters.py).
+- `random-demo`: a random-weight Llama checkpoint in `<data_dir>/demo-model` and two adapters of
+  random LoRA factors in PEFT's on-disk format (`adapters.synthetic.save_random_adapter`), for tests.
+  The weights are random: outputs are gibberish.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from adapters.synthetic import save_random_adapter
 from adapters.types import AdapterSummary, BaseModelShapes
+from api.demo_traits import TRAITS
 from api.keyfiles import DEMO_KEY_FILE, read_secret, replace_secret
+from api.model_source import DEMO_ADAPTERS_DIR
 from api.state import DemoInfo
 from base_engine.tiny_checkpoint import save_random_checkpoint
 from registry.adapters import list_adapters, register_adapter_version
@@ -31,7 +37,7 @@ from registry.tenants import create_tenant, get_tenant_by_name
 logger = logging.getLogger(__name__)
 
 DEMO_TENANT = "demo"
-# name -> (rank, target modules)
+# Random-demo adapters: name -> (rank, target modules)
 DEMO_ADAPTERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "demo-qv-r8": (8, ("q_proj", "v_proj")),
     "demo-all-r4": (4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
@@ -82,6 +88,17 @@ def _demo_key(session: Session, key_file: Path) -> str:
     return api_key
 
 
+def trained_adapter_dirs() -> dict[str, Path]:
+    """The default model's demo adapters shipped with the code: name -> PEFT directory."""
+    dirs = {name: DEMO_ADAPTERS_DIR / name for name in TRAITS}
+    missing = [str(d) for d in dirs.values() if not (d / "adapter_model.safetensors").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"demo adapters missing: {missing}; rebuild them with scripts/train_demo_adapters.py"
+        )
+    return dirs
+
+
 def ensure_demo_tenant(
     *,
     sessions: sessionmaker[Session],
@@ -90,18 +107,27 @@ def ensure_demo_tenant(
     shapes: BaseModelShapes,
     validate: Callable[[Path], AdapterSummary],
     base_model: str,
+    random_adapters: bool = False,
 ) -> DemoInfo:
+    """The demo tenant with its adapters: trained ones for the default model, random ones for the
+    random demo (`random_adapters`). Adapters it already has are left as they are."""
+    names = tuple(DEMO_ADAPTERS) if random_adapters else tuple(TRAITS)
     with sessions() as session:
         api_key = _demo_key(session, data_dir / DEMO_KEY_FILE)
         tenant = get_tenant_by_name(session, name=DEMO_TENANT)
         existing = {a.name for a in list_adapters(session, tenant_id=tenant.id)}
-        for seed, (name, (rank, modules)) in enumerate(DEMO_ADAPTERS.items()):
+        shipped = {} if random_adapters else trained_adapter_dirs()
+        for seed, name in enumerate(names):
             if name in existing:
                 continue
             with tempfile.TemporaryDirectory() as tmp:
-                files = save_random_adapter(
-                    Path(tmp), shapes, rank=rank, alpha=2 * rank, modules=modules, seed=seed
-                )
+                if random_adapters:
+                    rank, modules = DEMO_ADAPTERS[name]
+                    files = save_random_adapter(
+                        Path(tmp), shapes, rank=rank, alpha=2 * rank, modules=modules, seed=seed
+                    )
+                else:
+                    files = shipped[name]
                 register_adapter_version(
                     session,
                     store,
@@ -112,4 +138,4 @@ def ensure_demo_tenant(
                     base_model=base_model,
                 )
             logger.info("registered demo adapter %s", name)
-    return DemoInfo(tenant_name=DEMO_TENANT, api_key=api_key, adapter_names=tuple(DEMO_ADAPTERS))
+    return DemoInfo(tenant_name=DEMO_TENANT, api_key=api_key, adapter_names=names)

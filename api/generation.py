@@ -23,7 +23,13 @@ from api.context import RequestContext, RequestKind, new_request_id
 from api.deps import Caller
 from api.errors import APIError, model_not_found
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.sampling import check_stream_options, encode_chat_prompt, encode_completion_prompts, sampling_params
+from api.sampling import (
+    check_stream_options,
+    encode_chat_prompt,
+    encode_completion_prompts,
+    generation_defaults,
+    sampling_params,
+)
 from api.state import AppState
 from api.structured_outputs import request_grammar
 from api.tools import ToolPlan, plan_tools
@@ -103,6 +109,7 @@ def plan_generation(
                 num_prompt=len(prompt_ids),
                 max_model_len=state.max_model_len,
                 index=j,
+                defaults=generation_defaults(engine.model_dir),
                 constraint=grammar.new_constraint() if grammar is not None else None,
                 keep_special_tokens=tools is not None and tools.keeps_special_tokens,
             )

@@ -4,10 +4,18 @@ Everything here raises `APIError(400)` naming the field, before any engine work 
 a stream. Context length follows vLLM/OpenAI: prompt + max_tokens must fit in max_model_len
 ("This model's maximum context length is N tokens..."); an omitted `max_tokens` means "the rest of
 the context" on chat (OpenAI's behaviour) and 16 on completions (the OpenAI spec's default).
+
+Sampling fields a request leaves out take the checkpoint's `generation_config.json` values, as vLLM
+does by default (`--generation-config auto`): temperature, top_p, top_k, min_p, repetition_penalty,
+each only where it differs from transformers' GenerationConfig default (vLLM reads the file's
+`to_diff_dict()`), then SamplingParams' own defaults.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
 from typing import Any
 
 from api.errors import APIError
@@ -17,7 +25,33 @@ from base_engine.sampling_params import SamplingParams
 from base_engine.tokenizer import apply_chat_template
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# generation_config.json keys a request may leave to the checkpoint, with transformers' defaults
+# (a value equal to its default is not a default of the checkpoint's: vLLM's `to_diff_dict()`).
+GENERATION_DEFAULT_KEYS: dict[str, float | int | None] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 50,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+}
 _SEED_SPAN = 1 << 63
+
+
+@functools.lru_cache(maxsize=16)
+def generation_defaults(model_dir: Path) -> dict[str, float | int]:
+    """The checkpoint's sampling defaults from `model_dir/generation_config.json` (empty without one)."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {
+        k: raw[k]
+        for k, hf_default in GENERATION_DEFAULT_KEYS.items()
+        if isinstance(raw.get(k), int | float) and not isinstance(raw.get(k), bool) and raw[k] != hf_default
+    }
 
 
 def derive_seed(seed: int | None, index: int) -> int | None:
@@ -107,10 +141,13 @@ def sampling_params(
     num_prompt: int,
     max_model_len: int,
     index: int,
+    defaults: dict[str, float | int] | None = None,
     constraint: Any = None,
     keep_special_tokens: bool = False,
 ) -> SamplingParams:
     """The engine's parameters for choice `index` of a prompt of `num_prompt` tokens.
+
+    `defaults`: the checkpoint's sampling defaults (`generation_defaults`) for fields the body omits.
 
     `constraint`: this choice's own grammar matcher (api/structured_outputs.py); `keep_special_tokens`:
     the text keeps special tokens (a tool-call marker that is one), whatever the request asked."""
@@ -132,6 +169,9 @@ def sampling_params(
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "constraint": constraint,
     }
+    for key, value in (defaults or {}).items():
+        if options.get(key) is None:
+            options[key] = value
     try:
         return SamplingParams(**{k: v for k, v in options.items() if v is not None})
     except ValueError as exc:

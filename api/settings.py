@@ -12,18 +12,20 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from api.model_source import ModelSource, classify, resolve_model_dir
 from base_engine.engine_config import EngineConfig
-
-DEMO_MODEL_NAME = "loraserve-demo"
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LORASERVE_", extra="forbid")
 
     # Where things live.
-    model: Path | None = None  # None = the random-weight demo checkpoint in the data dir
-    served_model_name: str | None = None  # None = the model directory's name (or DEMO_MODEL_NAME)
+    # A checkpoint dir, a .gguf file, or a name (api/model_source.py): None = SmolLM2-135M-Instruct,
+    # "random-demo" = the tiny random-weight demo checkpoint in the data dir (tests).
+    model: Path | None = None
+    served_model_name: str | None = None  # None = the model's own name (model_source.classify)
     data_dir: Path = Path("loraserve-data")
+    models_dir: Path | None = None  # converted GGUF checkpoints, by hash; None = <data_dir>/models
     db: str | None = None  # SQLAlchemy URL; None = SQLite in the data dir
     registry: str | None = None  # file:///dir or s3://bucket/prefix; None = file:// in the data dir
     host: str = "127.0.0.1"
@@ -73,22 +75,34 @@ class Settings(BaseSettings):
         return self.registry or (self.data_dir / "objects").resolve().as_uri()
 
     @property
+    def model_source(self) -> ModelSource:
+        """What `model` names (raises ValueError for a path that is neither a directory nor a .gguf)."""
+        return classify(self.model)
+
+    @property
     def is_demo(self) -> bool:
-        return self.model is None
+        """Whether the demo tenant and its adapters are set up: the default model or the random demo."""
+        return self.model_source.kind in ("default", "random-demo")
+
+    @property
+    def is_random_demo(self) -> bool:
+        return self.model_source.kind == "random-demo"
 
     @property
     def demo_model_dir(self) -> Path:
         return self.data_dir / "demo-model"
 
     @property
+    def models_path(self) -> Path:
+        return self.models_dir if self.models_dir is not None else self.data_dir / "models"
+
     def model_dir(self) -> Path:
-        return self.model if self.model is not None else self.demo_model_dir
+        """The checkpoint directory to load; downloads or converts on first use (api/model_source.py)."""
+        return resolve_model_dir(self.model_source, data_dir=self.data_dir, models_dir=self.models_path)
 
     @property
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        return DEMO_MODEL_NAME if self.model is None else self.model.resolve().name
+        return self.served_model_name or self.model_source.served_name
 
     @property
     def max_in_flight(self) -> int:

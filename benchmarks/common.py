@@ -1,4 +1,8 @@
-"""Shared pieces of the benchmarks: the "bench-small" model and the reference workload."""
+"""Shared pieces of the benchmarks: the models (`--model bench-small|smollm2`) and the reference workload.
+
+"bench-small" is a random Llama made in a temp dir; "smollm2" is the default served model
+(SmolLM2-135M-Instruct), converted once into ./loraserve-data/models like `make serve` does.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import torch
 
 from base_engine.tiny_checkpoint import save_random_checkpoint
 
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("bench-small", "smollm2")
 BENCH_SMALL = dict(
     arch="llama",
     hidden_size=512,
@@ -38,6 +44,27 @@ def bench_small(root: Path) -> Path:
     if not (path / "config.json").exists():
         save_random_checkpoint(path, **BENCH_SMALL)
     return path
+
+
+def bench_model(name: str, root: Path) -> Path:
+    """The checkpoint directory of benchmark model `name` (bench-small is written under `root`)."""
+    if name == "bench-small":
+        return bench_small(root)
+    if name == "smollm2":
+        from api.model_source import ensure_default_model
+
+        return ensure_default_model(ROOT / "loraserve-data" / "models")
+    raise ValueError(f"unknown benchmark model {name!r}; expected one of {MODELS}")
+
+
+def model_vocab(model_dir: Path) -> int:
+    from base_engine.config import load_model_config
+
+    return load_model_config(model_dir).vocab_size
+
+
+def add_model_arg(parser) -> None:  # noqa: ANN001 - an argparse parser
+    parser.add_argument("--model", choices=MODELS, default="bench-small", help="[default: bench-small]")
 
 
 def make_workload(

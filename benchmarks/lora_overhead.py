@@ -1,6 +1,7 @@
-"""Decode throughput at batch 32 on bench-small: no adapter, one shared adapter, 32 distinct adapters.
+"""Decode throughput at batch 32: no adapter, one shared adapter, 32 distinct adapters.
 
-    python benchmarks/lora_overhead.py --json
+    python benchmarks/lora_overhead.py --json                   # bench-small
+    python benchmarks/lora_overhead.py --model smollm2 --json   # the default served model
 
 Three engines (same model, configuration and prompts; only the adapters differ) each hold 32 running
 requests past their prefills; their decode steps are interleaved one by one (the order rotating every
@@ -21,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Timer, bench_small, setup_threads  # noqa: E402
+from benchmarks.common import Timer, add_model_arg, bench_model, setup_threads  # noqa: E402
 from benchmarks.lora_workload import make_lora_adapters  # noqa: E402
 
 BATCH = 32
@@ -57,12 +58,13 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default output)")
     parser.add_argument("--steps", type=int, default=60, help="decode steps per case")
+    add_model_arg(parser)
     args = parser.parse_args()
     threads = setup_threads()
     from base_engine import EngineConfig, LLMEngine
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = bench_small(Path(tmp))
+        model_dir = bench_model(args.model, Path(tmp))
         dirs = make_lora_adapters(model_dir, Path(tmp) / "adapters", num=BATCH, rank=16)
         config = EngineConfig(max_num_seqs=BATCH, max_loras=BATCH, max_cpu_loras=BATCH, max_lora_rank=16,
                               num_kv_blocks=BATCH * ((PROMPT_LEN + args.steps + 8) // 16 + 2))  # fmt: skip
@@ -80,7 +82,7 @@ def main() -> None:
         )  # embedding rows
         adapter_bytes = sum((d / "adapter_model.safetensors").stat().st_size for d in dirs)
     result = {
-        "benchmark": "lora-overhead", "model": "bench-small", "batch": BATCH, "rank": 16, "threads": threads,
+        "benchmark": "lora-overhead", "model": args.model, "batch": BATCH, "rank": 16, "threads": threads,
         "steps": args.steps, "base_tok_s": round(tok_s["base"], 2), "one_tok_s": round(tok_s["one"], 2),
         "distinct_tok_s": round(tok_s["distinct"], 2),
         "one_over_base": round(tok_s["one"] / tok_s["base"], 3),

