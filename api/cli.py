@@ -1,7 +1,11 @@
-"""`loraserve` command line: serve, db upgrade, tenant create, adapter push.
+"""`loraserve` command line: serve, db upgrade, tenant create, adapter push; and over HTTP against a
+running server (api/remote_cli.py): tenant list|delete, key create|list|revoke, adapter list|delete,
+adapter push --url.
 
-Options override `LORASERVE_*` environment variables (api/settings.py); management commands work
-on the database and object store directly (no server needed), applying migrations first.
+Options override `LORASERVE_*` environment variables (api/settings.py); `serve`, `db upgrade`, `tenant
+create` and `adapter push` without `--url` work on the database and object store directly (no server
+needed), applying migrations first. Help texts are plain text (no Rich markup), so every
+"[default: ...]" shows.
 """
 
 from __future__ import annotations
@@ -12,15 +16,26 @@ from typing import Annotated
 
 import typer
 
+from api import remote_cli
 from api.settings import Settings, load_settings
 
-app = typer.Typer(help="Multi-tenant LoRA serving platform.", no_args_is_help=True, add_completion=False)
-db_app = typer.Typer(help="Database commands.", no_args_is_help=True)
-tenant_app = typer.Typer(help="Tenant commands.", no_args_is_help=True)
-adapter_app = typer.Typer(help="Adapter commands.", no_args_is_help=True)
+_PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}  # Rich markup would eat "[default: ...]"
+app = typer.Typer(help="Multi-tenant LoRA serving platform.", add_completion=False, **_PLAIN)
+db_app = typer.Typer(help="Database commands.", **_PLAIN)
+tenant_app = typer.Typer(help="Tenant commands.", **_PLAIN)
+key_app = typer.Typer(help="API key commands (over HTTP, admin key).", **_PLAIN)
+adapter_app = typer.Typer(help="Adapter commands.", **_PLAIN)
 app.add_typer(db_app, name="db")
 app.add_typer(tenant_app, name="tenant")
+app.add_typer(key_app, name="key")
 app.add_typer(adapter_app, name="adapter")
+
+
+def _default(name: str, when_none: str = "set by the server") -> str:
+    """The help suffix "[default: X]" of the Settings field `name` (options default to None: settings)."""
+    value = Settings.model_fields[name].default
+    return f"[default: {when_none if value is None else value}]"
+
 
 ModelOpt = Annotated[
     Path | None,
@@ -46,23 +61,55 @@ def serve(
     data_dir: DataDirOpt = None,
     db: DbOpt = None,
     registry: RegistryOpt = None,
-    host: Annotated[str | None, typer.Option(help="[default: 127.0.0.1]")] = None,
-    port: Annotated[int | None, typer.Option(help="[default: 8000]")] = None,
-    served_model_name: Annotated[str | None, typer.Option()] = None,
-    device: Annotated[str | None, typer.Option(help="cpu | cuda [default: cpu]")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto | float32 | bfloat16 | float16")] = None,
-    max_model_len: Annotated[int | None, typer.Option()] = None,
-    max_num_seqs: Annotated[int | None, typer.Option()] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option()] = None,
-    num_kv_blocks: Annotated[int | None, typer.Option()] = None,
-    max_loras: Annotated[int | None, typer.Option()] = None,
-    max_cpu_loras: Annotated[int | None, typer.Option()] = None,
-    max_lora_rank: Annotated[int | None, typer.Option()] = None,
-    max_queue_len: Annotated[int | None, typer.Option(help="waiting engine requests before 503")] = None,
-    request_timeout_s: Annotated[float | None, typer.Option()] = None,
-    drain_timeout_s: Annotated[float | None, typer.Option(help="SIGTERM grace period")] = None,
-    max_upload_bytes: Annotated[int | None, typer.Option()] = None,
-    log_level: Annotated[str | None, typer.Option()] = None,
+    host: Annotated[str | None, typer.Option(help=f"address to bind {_default('host')}")] = None,
+    port: Annotated[int | None, typer.Option(help=f"port to listen on {_default('port')}")] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="name clients send as `model` [default: the model directory's name]")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help=f"cpu | cuda {_default('device')}")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help=f"auto | float32 | bfloat16 | float16 {_default('dtype')}")
+    ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="longest prompt + completion in tokens [default: the model's]")
+    ] = None,
+    max_num_seqs: Annotated[
+        int | None, typer.Option(help=f"requests decoded together {_default('max_num_seqs')}")
+    ] = None,
+    max_num_batched_tokens: Annotated[
+        int | None, typer.Option(help=f"tokens per engine step {_default('max_num_batched_tokens')}")
+    ] = None,
+    num_kv_blocks: Annotated[
+        int | None, typer.Option(help="KV cache blocks [default: sized from the memory budget]")
+    ] = None,
+    max_loras: Annotated[
+        int | None, typer.Option(help=f"adapters resident on the device {_default('max_loras')}")
+    ] = None,
+    max_cpu_loras: Annotated[
+        int | None, typer.Option(help=f"adapters kept in host memory {_default('max_cpu_loras')}")
+    ] = None,
+    max_lora_rank: Annotated[
+        int | None, typer.Option(help=f"largest adapter rank accepted {_default('max_lora_rank')}")
+    ] = None,
+    max_queue_len: Annotated[
+        int | None, typer.Option(help=f"waiting engine requests before 503 {_default('max_queue_len')}")
+    ] = None,
+    request_timeout_s: Annotated[
+        float | None, typer.Option(help=f"per-request deadline in seconds {_default('request_timeout_s')}")
+    ] = None,
+    drain_timeout_s: Annotated[
+        float | None, typer.Option(help=f"SIGTERM grace period in seconds {_default('drain_timeout_s')}")
+    ] = None,
+    max_upload_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="largest adapter upload body in bytes "
+            + _default("max_upload_bytes", "derived from the base model")
+        ),
+    ] = None,
+    log_level: Annotated[
+        str | None, typer.Option(help=f"debug | info | warning | error {_default('log_level')}")
+    ] = None,
 ) -> None:
     """Serve the OpenAI-compatible API, adapter uploads and the admin API."""
     options = dict(locals())
@@ -123,14 +170,27 @@ def tenant_create(name: str, db: DbOpt = None, data_dir: DataDirOpt = None) -> N
 @adapter_app.command("push")
 def adapter_push(
     directory: Annotated[Path, typer.Argument(help="PEFT adapter directory", exists=True, file_okay=False)],
-    tenant: Annotated[str, typer.Option(help="tenant name")],
     name: Annotated[str, typer.Option(help="adapter name")],
+    url: Annotated[
+        str | None,
+        typer.Option(envvar="LORASERVE_URL", help="upload to this running server (key: LORASERVE_API_KEY)"),
+    ] = None,
+    api_key: remote_cli.ApiKeyOpt = None,
+    timeout_s: Annotated[float, typer.Option(help="seconds to wait for the upload's answer")] = 600.0,
+    tenant: Annotated[str | None, typer.Option(help="tenant name (without --url: required)")] = None,
     model: ModelOpt = None,
     db: DbOpt = None,
     data_dir: DataDirOpt = None,
     registry: RegistryOpt = None,
 ) -> None:
-    """Validate an adapter against the base model and register it as the tenant's next version."""
+    """Register an adapter as the next version of NAME: with --url, uploaded to a running server (with a
+    progress bar; the tenant is the key's); without, validated here against --model and written to the
+    database and object store directly."""
+    if url is not None:
+        remote_cli.push_over_http(directory, name, url, api_key, timeout_s)
+        return
+    if tenant is None:
+        raise typer.BadParameter("--tenant is required without --url", param_hint="--tenant")
     import functools
 
     from adapters.validation import validate_adapter
@@ -169,6 +229,9 @@ def adapter_push(
             raise typer.Exit(1) from None
     modules = ",".join(info.modules)
     typer.echo(f"{info.name}@{info.version} sha256={info.sha256} rank={info.max_rank} modules={modules}")
+
+
+remote_cli.register(tenant_app, key_app, adapter_app)
 
 
 def main() -> None:
