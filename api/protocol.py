@@ -79,6 +79,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # as on chat (a vLLM extension here)
 
     @field_validator("echo", "best_of", "suffix")
     @classmethod

@@ -195,6 +195,24 @@ def test_bad_response_format_is_a_400_naming_the_field(
     assert info.value.body["param"] == param, info.value.body
 
 
+def test_completions_take_response_format_too(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model=BASE,
+        prompt="A person:",
+        max_tokens=120,
+        n=4,
+        seed=9,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": SCHEMAS["person"]},
+            }
+        },
+    )
+    for choice in out.choices:
+        jsonschema.validate(json.loads(choice.text), SCHEMAS["person"])
+
+
 def test_text_format_is_plain(client: openai.OpenAI) -> None:
     chat = client.chat.completions.create(
         model=BASE,
