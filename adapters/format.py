@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,15 +82,34 @@ class LoraAdapter:
 
 @dataclass(frozen=True)
 class AdapterFiles:
-    """The two files of an adapter directory, read once so hashes and parsing see the same bytes."""
+    """The two files of an adapter directory, read once so hashes and parsing see the same bytes.
+
+    `weights_bytes` is the file's bytes, or with `read_adapter_files(..., mapped=True)` a private
+    memory map of it (`mmap.ACCESS_COPY`, never written): hashing and parsing then read the page
+    cache and copy nothing; `close()` unmaps it once no tensor views it any more.
+    """
 
     config: dict[str, Any]
     config_bytes: bytes
-    weights_bytes: bytes
+    weights_bytes: bytes | mmap.mmap
+
+    def close(self) -> None:
+        """Unmap mapped weights; if tensors still view them, the map goes when they are collected."""
+        if isinstance(self.weights_bytes, mmap.mmap):
+            try:
+                self.weights_bytes.close()
+            except BufferError:
+                pass
 
 
-def read_adapter_files(adapter_dir: Path, *, max_size_bytes: int | None = None) -> AdapterFiles:
-    """Read config and weights; the weights' size is checked against `max_size_bytes` before reading."""
+def read_adapter_files(
+    adapter_dir: Path, *, max_size_bytes: int | None = None, mapped: bool = False
+) -> AdapterFiles:
+    """Read config and weights; the weights' size is checked against `max_size_bytes` before reading.
+
+    `mapped=True` maps the weights instead of reading them (upload validation: no copy of the file
+    in memory); the caller closes the result. Only for files nobody truncates while they are mapped.
+    """
     adapter_dir = Path(adapter_dir)
     if not adapter_dir.is_dir():
         raise AdapterFormatError(f"adapter directory {str(adapter_dir)!r} does not exist")
@@ -116,6 +136,9 @@ def read_adapter_files(adapter_dir: Path, *, max_size_bytes: int | None = None) 
     if not isinstance(config, dict):
         raise AdapterFormatError(f"{CONFIG_NAME} must hold a JSON object, got {type(config).__name__}")
     with weights_path.open("rb") as f:
+        if mapped and size > 0:
+            # The map is fixed at `size` (checked above) even if the file grows later.
+            return AdapterFiles(config, config_bytes, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
         # Bounded read: a file that grew after the stat above still cannot exceed the limit in memory.
         weights = f.read() if max_size_bytes is None else f.read(max_size_bytes + 1)
     if max_size_bytes is not None and len(weights) > max_size_bytes:
@@ -131,7 +154,7 @@ def _is_int_list(value: Any) -> bool:
     )
 
 
-def check_header(data: bytes) -> dict[str, tuple[str, list[int]]]:
+def check_header(data: bytes | mmap.mmap) -> dict[str, tuple[str, list[int]]]:
     """Tensor name -> (dtype, shape) from a safetensors header, refusing truncated or inconsistent files."""
     if len(data) < 8:
         raise AdapterFormatError(f"{WEIGHTS_NAME} is truncated: {len(data)} bytes, no 8-byte header length")
@@ -166,6 +189,35 @@ def check_header(data: bytes) -> dict[str, tuple[str, list[int]]]:
             )
         infos[name] = (dtype, shape)
     return infos
+
+
+def _mapped_tensors(data: mmap.mmap) -> dict[str, torch.Tensor]:
+    """Tensors viewing a mapped safetensors file already passed by `check_header`: no byte is copied.
+
+    Besides `check_header`'s per-tensor checks, the data offsets must tile the data section exactly,
+    without gaps or overlaps, as the safetensors library requires of what it loads.
+    """
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    header.pop("__metadata__", None)
+    data_start, data_len = 8 + header_len, len(data) - 8 - header_len
+    position = 0
+    for (begin, end), name in sorted((tuple(e["data_offsets"]), n) for n, e in header.items()):
+        if begin != position:
+            raise ValueError(f"tensor {name!r} starts at byte {begin} of the data section, not {position}")
+        position = end
+    if position != data_len:
+        raise ValueError(f"the tensors cover {position} bytes of a {data_len}-byte data section")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        dtype, count = _DTYPES[entry["dtype"]][0], math.prod(entry["shape"])
+        if count == 0:
+            tensors[name] = torch.empty(entry["shape"], dtype=dtype)
+        else:
+            offset = data_start + entry["data_offsets"][0]
+            flat = torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
+            tensors[name] = flat.view(entry["shape"])
+    return tensors
 
 
 def _split_tensors(
@@ -270,7 +322,10 @@ def parse_adapter(
     targets = resolve_targets(files.config, base)
     check_header(files.weights_bytes)
     try:
-        tensors = load_safetensors(files.weights_bytes)
+        if isinstance(files.weights_bytes, mmap.mmap):
+            tensors = _mapped_tensors(files.weights_bytes)
+        else:
+            tensors = load_safetensors(files.weights_bytes)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise AdapterFormatError(f"{WEIGHTS_NAME} could not be parsed: {exc}") from exc
     by_module = _split_tensors(tensors, targets, base, spec.has_velora)

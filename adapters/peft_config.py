@@ -6,6 +6,10 @@ full-match for a string, exact-or-`.suffix` match for a list, `exclude_modules` 
 `peft.utils.other.get_pattern_key` (`re.match(rf"(.*\\.)?({key})$", module_key)`, first key wins); the
 scale is `alpha / r`, or `alpha / sqrt(r)` with rsLoRA (Kalajdzievski 2023, arXiv:2312.03732).
 
+Every tenant-supplied pattern is compiled by adapters/safe_regex.py and matched by RE2 in linear time
+(PEFT's `re` backtracks: `(.|.){0,24}Z` took minutes); patterns RE2 cannot express, and configs whose
+patterns are too many or too long, are refused naming the field.
+
 Every field is applied, ignored because it cannot change inference math, or refused when it is not at its
 default (see adapters/README.md for the full list). Fail closed: anything this module cannot prove PEFT
 would apply the same way is an `AdapterFormatError` naming the field.
@@ -16,9 +20,15 @@ from __future__ import annotations
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from adapters.safe_regex import (
+    MAX_PATTERN_KEYS,
+    MAX_TOTAL_PATTERN_CHARS,
+    LinearPattern,
+    PatternCache,
+)
 from adapters.types import LORA_MODULES, AdapterFormatError, BaseModelShapes
 
 logger = logging.getLogger(__name__)
@@ -72,21 +82,101 @@ class LoraSpec:
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
     has_velora: bool  # VeLoRA saves a training-only `lora_velora_embed` buffer per module
+    patterns: PatternCache = field(default_factory=PatternCache, compare=False, repr=False)
+    _indexes: dict[str, _PatternIndex] = field(default_factory=dict, compare=False, repr=False)
 
     def rank_and_scale(self, module_key: str) -> tuple[int, float]:
         """(r, scale) for one module key such as "model.layers.0.self_attn.q_proj"."""
-        r = self.rank_pattern.get(_pattern_key(self.rank_pattern, module_key), self.r)
-        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module_key), self.lora_alpha)
+        r = self.rank_pattern.get(self._index("rank").first(module_key), self.r)
+        alpha = self.alpha_pattern.get(self._index("alpha").first(module_key), self.lora_alpha)
         scale = alpha / math.sqrt(r) if self.use_rslora else alpha / r
         return r, float(scale)
 
+    def _index(self, which: str) -> _PatternIndex:
+        if which not in self._indexes:
+            patterns = self.rank_pattern if which == "rank" else self.alpha_pattern
+            self._indexes[which] = _PatternIndex(patterns, self.patterns)
+        return self._indexes[which]
 
-def _pattern_key(patterns: dict[str, Any], module_key: str) -> str:
-    # Same rule as peft.utils.other.get_pattern_key: the first pattern that matches a dotted suffix.
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_key):
-            return key
-    return module_key
+
+_LITERAL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.")
+
+
+class _PatternIndex:
+    """PEFT's get_pattern_key over one rank_pattern / alpha_pattern: the first key (in order) for which
+    `re.match(rf"(.*\\.)?({key})$", module_key)` matches.
+
+    A key of letters, digits, `_` and `.` (almost every real one) matches exactly when the module key's
+    suffix of the same length starts the key or follows a `.`, and equals the key at every position
+    but the key's dots (each `.` is a regex wildcard). Such keys are grouped by (length, dot positions)
+    and answered with one dictionary lookup per group; only the other keys are matched with RE2, and
+    only those ahead of the best literal hit.
+    """
+
+    def __init__(self, patterns: dict[str, Any], cache: PatternCache) -> None:
+        self.order = list(patterns)
+        self.cache = cache
+        self.literal_groups: dict[tuple[int, tuple[int, ...]], dict[str, int]] = {}
+        self.regex_keys: list[tuple[int, str]] = []
+        for i, key in enumerate(self.order):
+            if key and _LITERAL_CHARS.issuperset(key):
+                dots = tuple(j for j, c in enumerate(key) if c == ".")
+                self.literal_groups.setdefault((len(key), dots), {}).setdefault(key, i)
+            else:
+                self.regex_keys.append((i, key))
+
+    def first(self, module_key: str) -> str:
+        best = len(self.order)
+        with self.cache.timed():
+            for (length, dots), keys in self.literal_groups.items():
+                start = len(module_key) - length
+                if start < 0 or (start > 0 and module_key[start - 1] != "."):
+                    continue
+                suffix = module_key[start:]
+                if dots:
+                    chars = list(suffix)
+                    for j in dots:
+                        chars[j] = "."
+                    suffix = "".join(chars)
+                best = min(best, keys.get(suffix, best))
+            for i, key in self.regex_keys:
+                if i >= best:
+                    break
+                if _suffix_pattern(self.cache, key).match(module_key):
+                    best = i
+                    break
+        return self.order[best] if best < len(self.order) else module_key
+
+
+def _suffix_pattern(
+    cache: PatternCache, key: str, field_name: str = "rank_pattern/alpha_pattern"
+) -> LinearPattern:
+    return cache.get(field_name, key, r"(.*\.)?({})$")
+
+
+def _check_pattern_budget(cfg: dict[str, Any]) -> None:
+    """Bound the number and total length of a config's patterns before any is compiled."""
+    total = 0
+    for name in ("target_modules", "exclude_modules", "layers_pattern"):
+        value = cfg.get(name)
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, list):  # names (matched exactly or as a suffix), or layers patterns
+            if len(value) > MAX_PATTERN_KEYS:
+                raise AdapterFormatError(f"{name} has {len(value)} entries, more than {MAX_PATTERN_KEYS}")
+            if name == "layers_pattern":
+                total += sum(len(v) for v in value if isinstance(v, str))
+    for name in ("rank_pattern", "alpha_pattern"):
+        value = cfg.get(name)
+        if isinstance(value, dict):
+            if len(value) > MAX_PATTERN_KEYS:
+                raise AdapterFormatError(f"{name} has {len(value)} entries, more than {MAX_PATTERN_KEYS}")
+            total += sum(len(k) for k in value)
+    if total > MAX_TOTAL_PATTERN_CHARS:
+        raise AdapterFormatError(
+            f"adapter_config.json: its regular expressions have {total} characters together, more than "
+            f"{MAX_TOTAL_PATTERN_CHARS}"
+        )
 
 
 def _is_default(value: Any) -> bool:
@@ -137,6 +227,7 @@ def check_fields(cfg: dict[str, Any]) -> None:
 
 def parse_spec(cfg: dict[str, Any]) -> LoraSpec:
     """Rank, alpha and their per-module patterns, type-checked."""
+    _check_pattern_budget(cfg)
     r = _check_type(cfg, "r", int, 8)
     alpha = _check_type(cfg, "lora_alpha", (int, float), 8)
     rank_pattern = _check_type(cfg, "rank_pattern", dict, {}) or {}
@@ -149,19 +240,14 @@ def parse_spec(cfg: dict[str, Any]) -> LoraSpec:
             raise AdapterFormatError(f"alpha_pattern[{key!r}]={value!r}, expected a number")
     if r <= 0:
         raise AdapterFormatError(f"r={r}, expected a positive int")
-    for name, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
-        for key in patterns:
-            _compile(name, f"(.*\\.)?({key})$")
+    cache = PatternCache()
+    with cache.timed():
+        for name, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+            for key in patterns:
+                _suffix_pattern(cache, key, name)  # refuses what RE2 cannot match as PEFT would
     use_rslora = _check_type(cfg, "use_rslora", bool, False)
     has_velora = not _is_default(cfg.get("velora_config"))
-    return LoraSpec(r, float(alpha), use_rslora, dict(rank_pattern), dict(alpha_pattern), has_velora)
-
-
-def _compile(field_name: str, pattern: str) -> re.Pattern[str]:
-    try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise AdapterFormatError(f"{field_name}: invalid regular expression {pattern!r} ({exc})") from exc
+    return LoraSpec(r, float(alpha), use_rslora, dict(rank_pattern), dict(alpha_pattern), has_velora, cache)
 
 
 def module_keys(base: BaseModelShapes) -> list[str]:
@@ -208,17 +294,20 @@ def _layer_indexes(cfg: dict[str, Any], base: BaseModelShapes) -> list[int] | No
     return indexes
 
 
-def _layer_index(key: str, layers_pattern: str | list[str] | None) -> int | None:
+def _layer_index(key: str, layers_pattern: str | list[str] | None, cache: PatternCache) -> int | None:
     # Same regexes as PEFT: the first numbered segment after the layers pattern (any pattern when empty).
     if not layers_pattern:
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
-    else:
-        match = None
-        for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
-            if match is not None:
-                break
-    return int(match.group("idx")) if match else None
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)  # fixed pattern, no tenant input
+        return int(match.group("idx")) if match else None
+    for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern:
+        found = _layers_regex(cache, pattern).match(key)
+        if found is not None:
+            return int(found.group(b"idx"))  # RE2 runs on bytes (adapters/safe_regex.py)
+    return None
+
+
+def _layers_regex(cache: PatternCache, pattern: str) -> LinearPattern:
+    return cache.get("layers_pattern", pattern, r"(?:^|.*?\.){}\.(?P<idx>\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -227,26 +316,32 @@ class _Targets:
     exclude: str | list[str] | None
     layer_indexes: list[int] | None
     layers_pattern: str | list[str] | None
+    patterns: PatternCache = field(default_factory=PatternCache, compare=False, repr=False)
 
     def matches(self, key: str) -> bool:
         """peft.tuners.tuners_utils.check_target_module_exists, restricted to LoRA's fields."""
+        with self.patterns.timed():
+            return self._matches(key)
+
+    def _matches(self, key: str) -> bool:
         if isinstance(self.exclude, str):
-            if re.fullmatch(self.exclude, key):
+            if self.patterns.get("exclude_modules", self.exclude).fullmatch(key):
                 return False
         elif self.exclude and (key in self.exclude or any(key.endswith(f".{e}") for e in self.exclude)):
             return False
         if isinstance(self.modules, str):
-            return re.fullmatch(self.modules, key) is not None
+            return self.patterns.get("target_modules", self.modules).fullmatch(key) is not None
         if key in self.modules:  # an exact name skips the layer filter, as in PEFT
             return True
         if not any(key.endswith(f".{t}") for t in self.modules):
             return False
         if not self.layer_indexes:
             return True
-        return _layer_index(key, self.layers_pattern) in self.layer_indexes
+        return _layer_index(key, self.layers_pattern, self.patterns) in self.layer_indexes
 
 
 def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
+    _check_pattern_budget(cfg)
     modules = _str_or_list(cfg, "target_modules")
     exclude = _str_or_list(cfg, "exclude_modules")
     layers_pattern = _str_or_list(cfg, "layers_pattern")
@@ -257,11 +352,13 @@ def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
         )
     if layers_pattern and layer_indexes is None:
         raise AdapterFormatError(f"layers_pattern={layers_pattern!r} is set without layers_to_transform")
-    for name, value in (("target_modules", modules), ("exclude_modules", exclude)):
-        if isinstance(value, str):
-            _compile(name, value)
-    for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern or []:
-        _compile("layers_pattern", pattern)
+    cache = PatternCache()
+    with cache.timed():
+        for name, value in (("target_modules", modules), ("exclude_modules", exclude)):
+            if isinstance(value, str):
+                cache.get(name, value)
+        for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern or []:
+            _layers_regex(cache, pattern)
     if modules is None:
         modules = list(DEFAULT_TARGET_MODULES)
     if isinstance(modules, list):
@@ -277,7 +374,7 @@ def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
         # PEFT expands this to every nn.Linear but the output embedding: exactly the seven projections.
         modules = [projection_key(i, m) for i in range(base.num_layers) for m in LORA_MODULES]
     return _Targets(
-        modules if isinstance(modules, str) else set(modules), exclude, layer_indexes, layers_pattern
+        modules if isinstance(modules, str) else set(modules), exclude, layer_indexes, layers_pattern, cache
     )
 
 

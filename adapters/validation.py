@@ -39,14 +39,20 @@ def validate_adapter(
         )
     if max_lora_rank <= 0 or max_size_bytes <= 0:
         raise AdapterValidationError(f"limits must be positive: {max_lora_rank=}, {max_size_bytes=}")
-    files = read_adapter_files(Path(adapter_dir), max_size_bytes=max_size_bytes)
-    adapter = parse_adapter(files, base=base, dtype=dtype, max_lora_rank=max_lora_rank)
-    return AdapterSummary(
-        ranks=dict(adapter.rank_by_module),
-        modules=adapter.modules,
-        max_rank=adapter.max_rank,
-        num_layers_covered=len(adapter.layers),
-        size_bytes=len(files.weights_bytes),
-        sha256=hashlib.sha256(files.weights_bytes).hexdigest(),
-        config_sha256=hashlib.sha256(files.config_bytes).hexdigest(),
-    )
+    # Mapped, not read: validation copies no weight byte into memory (issue 13: uploads amplified memory).
+    files = read_adapter_files(Path(adapter_dir), max_size_bytes=max_size_bytes, mapped=True)
+    try:
+        adapter = parse_adapter(files, base=base, dtype=dtype, max_lora_rank=max_lora_rank)
+        summary = AdapterSummary(
+            ranks=dict(adapter.rank_by_module),
+            modules=adapter.modules,
+            max_rank=adapter.max_rank,
+            num_layers_covered=len(adapter.layers),
+            size_bytes=len(files.weights_bytes),
+            sha256=hashlib.sha256(files.weights_bytes).hexdigest(),
+            config_sha256=hashlib.sha256(files.config_bytes).hexdigest(),
+        )
+        del adapter  # its factors view the map
+    finally:
+        files.close()
+    return summary

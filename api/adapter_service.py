@@ -2,28 +2,55 @@
 
 Upload: the body is streamed into a temporary directory (api/uploads.py), then the registry
 validates it against the served base model (`adapters.validation`) *before* anything is stored and
-records a ready version; 201 is sent only then. Reads and deletes are scoped to the caller's
-tenant: another tenant's adapter is the same 404 as an unknown name.
+records a ready version; 201 is sent only then. At most `max_concurrent_uploads` uploads run at once
+(one more: 429 + Retry-After, before its body is read); validation, the object store and the database
+work of an upload run in the upload pool (api/blocking.py), never on the event loop, the engine
+thread or anyio's shared pool, and an upload that takes longer than `upload_timeout_s` gets 504 (its
+worker still ends on the store's own timeouts, and only then frees its slot and its files).
+
+Reads and deletes are scoped to the caller's tenant: another tenant's adapter is the same 404 as an
+unknown name.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import shutil
 import tempfile
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from fastapi import Request
 from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 
+from api.blocking import UploadGate
 from api.deps import Caller
-from api.errors import from_registry_error
+from api.errors import APIError, from_registry_error
 from api.state import AppState
 from api.uploads import receive_adapter_upload
 from registry.adapters import delete_adapter, get_adapter, list_adapters, register_adapter_version
 from registry.audit import record_audit
 from registry.errors import RegistryError
 from registry.types import AdapterVersionInfo
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_RETRY_AFTER_S = 5
+
+
+def _load_malloc_trim() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
 
 
 def version_view(state: AppState, info: AdapterVersionInfo) -> dict[str, Any]:
@@ -83,16 +110,65 @@ def _register(state: AppState, caller: Caller, name: str, files_dir: Path) -> Ad
     return info
 
 
+def _register_in_worker(state: AppState, caller: Caller, name: str, files_dir: Path) -> AdapterVersionInfo:
+    try:
+        return _register(state, caller, name, files_dir)
+    finally:
+        if _malloc_trim is not None:
+            _malloc_trim(0)  # hand freed validation buffers back to the OS now, not at some later peak
+
+
 async def upload_adapter(*, state: AppState, request: Request, caller: Caller) -> dict[str, Any]:
-    uploads = state.settings.data_dir / "uploads"
-    uploads.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=uploads) as tmp:
-        name = await receive_adapter_upload(request, Path(tmp), max_bytes=state.settings.max_upload_bytes)
+    settings, gate = state.settings, state.upload_gate
+    if not gate.try_enter():
+        raise APIError(
+            429,
+            f"{gate.limit} adapter uploads are in progress, the most this server takes at once; retry later",
+            code="too_many_uploads",
+            headers={"Retry-After": str(UPLOAD_RETRY_AFTER_S)},
+        )
+    uploads = settings.data_dir / "uploads"
+    tmp: Path | None = None
+    job: Future[AdapterVersionInfo] | None = None
+    try:
+        uploads.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=uploads))
+        name = await receive_adapter_upload(
+            request, tmp, max_bytes=state.upload_limits.body_bytes, executor=state.pools.uploads
+        )
+        job = state.pools.uploads.submit(_register_in_worker, state, caller, name, tmp)
+        job.add_done_callback(lambda _: _finish_upload(gate, tmp))  # whenever the worker ends
+        result = asyncio.wrap_future(job)
+        result.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if nobody waits
         try:
-            info = await run_in_threadpool(_register, state, caller, name, Path(tmp))
+            # shield: on timeout or disconnect only the wait ends; the worker finishes on its own.
+            info = await asyncio.wait_for(asyncio.shield(result), settings.upload_timeout_s)
+        except TimeoutError:
+            logger.warning("adapter upload %r: no result after %.0f s", name, settings.upload_timeout_s)
+            raise APIError(
+                504,
+                f"the upload was not stored within {settings.upload_timeout_s:g} s (the object store or "
+                "database is slow or unreachable); retry later",
+                code="upload_timeout",
+                headers={"Retry-After": str(UPLOAD_RETRY_AFTER_S)},
+            ) from None
         except RegistryError as exc:
-            raise from_registry_error(exc) from None
+            error = from_registry_error(exc)
+            if error.status == 503:
+                error.headers.setdefault("Retry-After", str(UPLOAD_RETRY_AFTER_S))
+            raise error from None
+    finally:
+        if job is None:  # never handed to a worker: clean up here
+            _finish_upload(gate, tmp)
     return version_view(state, info)
+
+
+def _finish_upload(gate: UploadGate, tmp: Path | None) -> None:
+    try:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        gate.leave()
 
 
 def list_own_adapters(*, state: AppState, session: Session, caller: Caller) -> list[dict[str, Any]]:

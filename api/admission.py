@@ -1,16 +1,35 @@
-"""Admission control: a bounded number of engine requests in flight, and the drain switch.
+"""Admission control: a bounded number of engine requests in flight, shared fairly, and the drain switch.
 
 Requests beyond one full batch (`max_num_seqs`) plus the waiting queue (`max_queue_len`) are refused
 at once with 503 + Retry-After instead of queueing without bound; once draining (SIGTERM) every new
-request is refused the same way. `InFlight` maps engine request ids to their `RequestContext`, so
-the drain can abort what is left, and reports each HTTP request once, when its last engine request
-has ended, to the `on_request_finished` hooks (metering).
+request is refused the same way.
+
+Fairness (on by default; issue 13: one tenant took all 320 slots and another got 10/10 503s). The
+slots are shared max-min fairly among the tenants that contend for them: those with requests in
+flight, those refused in the last `WAITING_WINDOW_S` (they are waiting: their clients retry after
+Retry-After), and the asking tenant. Each one's fair share is `max_in_flight // max(2, contenders)`:
+
+- a tenant within its share is admitted into any free slot;
+- a tenant above its share is admitted only while no other tenant below its share is waiting, and
+  never into the last `reserve` slots, which stay free so that a tenant arriving at a flooded server
+  is admitted at once (default `min(max_queue_len, max_in_flight // 8)`: from the waiting queue, so
+  a lone tenant still fills the running batch).
+
+So a flooding tenant keeps what it holds (nothing is preempted) but, as its requests end, their slots
+go to the tenants below their share until every contender holds its share; inside the engine the
+same tenants are then ordered by the Virtual Token Counter (base_engine/lora_policy.py), so a newly
+admitted tenant's requests also start before the flooding tenant's waiting ones.
+
+`InFlight` maps engine request ids to their `RequestContext`, so the drain can abort what is left,
+and reports each HTTP request once, when its last engine request has ended, to the
+`on_request_finished` hooks (metering).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from api.context import RequestContext, Usage
@@ -21,6 +40,7 @@ from base_engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+WAITING_WINDOW_S = 5.0  # a refused tenant counts as waiting for a slot this long (a few Retry-Afters)
 Release = Callable[[Usage | None], None]  # called once when the request ends, with its usage if known
 # The usage a release is called with when the request was refused after its check admitted it (a later
 # check's 429, or the server's 503): nothing ran, so nothing is owed (quotas give everything back).
@@ -31,9 +51,10 @@ RequestFinished = Callable[[RequestContext, list[RequestOutput]], None]
 class Ticket:
     """Held while a request's engine requests are in flight; `release` is idempotent."""
 
-    def __init__(self, admission: Admission, num: int) -> None:
+    def __init__(self, admission: Admission, num: int, tenant: str | None = None) -> None:
         self._admission = admission
         self.num = num
+        self.tenant = tenant
         self.on_release: list[Release] = []  # e.g. quota refunds
         self._released = False
 
@@ -41,7 +62,7 @@ class Ticket:
         if self._released:
             return
         self._released = True
-        self._admission._release(self.num)
+        self._admission._release(self.num, self.tenant)
         for callback in self.on_release:
             try:
                 callback(usage)
@@ -50,16 +71,72 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        max_in_flight: int,
+        *,
+        fair: bool = True,
+        reserve: int | None = None,
+        max_queue_len: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0
         self.is_draining = False
+        self.fair = fair
+        if reserve is None:
+            queue = max_in_flight if max_queue_len is None else max_queue_len
+            reserve = min(queue, max_in_flight // 8)
+        self.reserve = min(reserve, max_in_flight - 1) if fair else 0
+        self._clock = clock
+        self._by_tenant: dict[str | None, int] = {}
+        self._waiting: dict[str | None, float] = {}  # refused tenant -> when it stops counting as waiting
         self._lock = threading.Lock()
 
-    def acquire(self, num: int) -> Ticket:
-        """Admit `num` engine requests or raise 503 (overloaded, or shutting down)."""
+    def in_flight_by_tenant(self) -> dict[str | None, int]:
+        with self._lock:
+            return dict(self._by_tenant)
+
+    def fair_share(self, tenant: str | None = None) -> int:
+        """Slots `tenant` may hold while others below their share wait (see the module docstring)."""
+        with self._lock:
+            return self._share(tenant, self._clock())
+
+    def _share(self, tenant: str | None, now: float) -> int:
+        # Caller holds the lock.
+        for t, until in list(self._waiting.items()):
+            if until <= now:
+                del self._waiting[t]
+        contenders = set(self._by_tenant) | set(self._waiting) | {tenant}
+        return max(1, self.max_in_flight // max(2, len(contenders)))
+
+    def _refusal(self, tenant: str | None, num: int, now: float) -> str | None:
+        """Why `num` more engine requests of `tenant` cannot be admitted now, or None. Holds the lock."""
+        total = self.num_in_flight + num
+        if total > self.max_in_flight:
+            return (
+                f"The server is overloaded ({self.num_in_flight} requests in flight, limit "
+                f"{self.max_in_flight}); retry later."
+            )
+        if not self.fair:
+            return None
+        share = self._share(tenant, now)
+        holding = self._by_tenant.get(tenant, 0)
+        if holding + num <= share:
+            return None
+        starved = any(t != tenant and self._by_tenant.get(t, 0) < share for t in self._waiting)
+        if not starved and total <= self.max_in_flight - self.reserve:
+            return None
+        return (
+            f"The server is busy: this tenant holds {holding} of {self.max_in_flight} request slots and its "
+            f"fair share is {share} while other tenants wait; retry later."
+        )
+
+    def acquire(self, num: int, tenant: str | None = None) -> Ticket:
+        """Admit `num` engine requests of `tenant` or raise 503 (overloaded, over its fair share while
+        others wait, or shutting down)."""
         retry = {"Retry-After": str(RETRY_AFTER_S)}
         with self._lock:
             if self.is_draining:
@@ -74,20 +151,24 @@ class Admission:
                     param="n",
                     code="invalid_value",
                 )
-            if self.num_in_flight + num > self.max_in_flight:
-                raise APIError(
-                    503,
-                    f"The server is overloaded ({self.num_in_flight} requests in flight, limit "
-                    f"{self.max_in_flight}); retry later.",
-                    code="overloaded",
-                    headers=retry,
-                )
+            now = self._clock()
+            refusal = self._refusal(tenant, num, now)
+            if refusal is not None:
+                self._waiting[tenant] = now + WAITING_WINDOW_S
+                raise APIError(503, refusal, code="overloaded", headers=retry)
+            self._waiting.pop(tenant, None)
             self.num_in_flight += num
-        return Ticket(self, num)
+            self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + num
+        return Ticket(self, num, tenant)
 
-    def _release(self, num: int) -> None:
+    def _release(self, num: int, tenant: str | None = None) -> None:
         with self._lock:
             self.num_in_flight -= num
+            left = self._by_tenant.get(tenant, 0) - num
+            if left > 0:
+                self._by_tenant[tenant] = left
+            else:
+                self._by_tenant.pop(tenant, None)
 
 
 class InFlight:

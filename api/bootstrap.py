@@ -33,8 +33,19 @@ def build_state(settings: Settings) -> AppState:
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.db_url)
-    sessions = session_factory(make_engine(settings.db_url))
-    store = open_store(settings.registry_url)
+    sessions = session_factory(
+        make_engine(
+            settings.db_url,
+            connect_timeout_s=settings.db_connect_timeout_s,
+            read_timeout_s=settings.db_read_timeout_s,
+        )
+    )
+    store = open_store(
+        settings.registry_url,
+        max_attempts=settings.store_max_attempts,
+        connect_timeout_s=settings.store_connect_timeout_s,
+        read_timeout_s=settings.store_read_timeout_s,
+    )
     store.check()
     disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
     model_dir = settings.model_dir()
@@ -61,7 +72,12 @@ def build_state(settings: Settings) -> AppState:
         server_secret=server_secret,
         model_name=settings.model_name,
         base_shapes=load_model_config(model_dir).base_shapes(),
-        admission=Admission(settings.max_in_flight),
+        admission=Admission(
+            settings.max_in_flight,
+            fair=settings.fair_admission,
+            reserve=settings.admission_reserve,
+            max_queue_len=settings.max_queue_len,
+        ),
         admin_key_created=admin_created,
     )
     install_metering(state)  # quotas, usage meter (replays a crashed run's journal), metrics

@@ -205,11 +205,14 @@ def adapter_push(
     settings = load_settings(model=model, db=db, data_dir=data_dir, registry=registry)
     if settings.model is None and (served := last_served_model(settings.data_dir)) is not None:
         settings = settings.model_copy(update={"model": Path(served)})  # what `serve` loads here
+    from api.uploads import upload_limits
+
+    base = load_model_config(settings.model_dir()).base_shapes()
     validate = functools.partial(
         validate_adapter,
-        base=load_model_config(settings.model_dir()).base_shapes(),
+        base=base,
         max_lora_rank=settings.max_lora_rank,
-        max_size_bytes=settings.max_upload_bytes,
+        max_size_bytes=upload_limits(settings, base).weights_bytes,
         dtype=DTYPES.get(settings.dtype, DTYPES["float32"]),
     )
     with _sessions(settings)() as session:

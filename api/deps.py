@@ -21,7 +21,8 @@ from registry.keys import authenticate, key_prefix
 from registry.types import TenantInfo
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    # async: resolved on the event loop, not in anyio's worker pool (a sync dependency would be).
     return request.app.state.loraserve
 
 

@@ -106,7 +106,7 @@ def admit(state: AppState, ctx: RequestContext, num_requests: int) -> Ticket:
             release = check(ctx)
             if release is not None:
                 releases.append(release)
-        ticket = state.admission.acquire(num_requests)
+        ticket = state.admission.acquire(num_requests, ctx.tenant_id)
     except BaseException:
         for release in releases:
             release(NOT_ADMITTED)

@@ -51,7 +51,11 @@ class Settings(BaseSettings):
     max_queue_len: int = Field(256, ge=0)  # engine requests waiting beyond max_num_seqs; more -> 503
     request_timeout_s: float = Field(600.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM grace period before in-flight requests abort
-    max_upload_bytes: int = Field(512 << 20, ge=1)  # whole multipart body of an adapter upload
+    # Whole multipart body of an adapter upload; None = derived from the base model (the largest legal
+    # adapter: seven projections, every layer, max_lora_rank, fp32; api/uploads.py `upload_limits`).
+    max_upload_bytes: int | None = Field(None, ge=1)
+    max_concurrent_uploads: int = Field(4, ge=1)  # received + validated + stored at once; more -> 429
+    upload_timeout_s: float = Field(120.0, gt=0)  # validate + store + record one upload, else 504
     disk_cache_bytes: int = Field(4 << 30, ge=1)  # local adapter tier (registry.disk_cache.DiskTier)
 
     # Per-tenant rate limits used when a tenant has none of its own (None = unlimited; api/quotas.py).
@@ -59,6 +63,19 @@ class Settings(BaseSettings):
     default_tpm: int | None = Field(None, ge=0)
     default_max_concurrent: int | None = Field(None, ge=0)
     usage_flush_interval_s: float = Field(1.0, gt=0)  # usage records are written in batches this often
+
+    # Slow dependencies (issue 13): bounded waits, so a hung object store or database ends in an error.
+    store_connect_timeout_s: float = Field(3.0, gt=0)  # S3: TCP connect, per attempt
+    store_read_timeout_s: float = Field(20.0, gt=0)  # S3: silence on an open connection, per attempt
+    store_max_attempts: int = Field(3, ge=1)  # S3: attempts per call (botocore standard retries)
+    db_connect_timeout_s: float = Field(5.0, gt=0)  # PostgreSQL: connect timeout
+    db_read_timeout_s: float = Field(30.0, gt=0)  # PostgreSQL: unanswered connection dropped after it
+    ready_timeout_s: float = Field(2.0, gt=0)  # /ready: longest wait for one dependency probe
+    # Admission fairness: while the server is contended, no tenant holds more than its fair share of
+    # the in-flight slots (api/admission.py); `admission_reserve` slots (None = derived) stay free for
+    # tenants below their share.
+    fair_admission: bool = True
+    admission_reserve: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

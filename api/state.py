@@ -10,6 +10,9 @@ Seams for the metering / metrics / quota layer (issue 7):
   ended, aborted and failed ones included; bill `api.context.compute_usage(finals, n=ctx.n)`.
 - `engine.on_finished`: every finished engine request (`inflight.get(out.request_id)` -> context).
 - `on_drain`: run on shutdown after in-flight requests ended (flush buffers there).
+
+Blocking work that can hang on a dependency (upload validation, object store, database for
+uploads, /ready probes) runs in `pools` (api/blocking.py), never in anyio's default thread pool.
 """
 
 from __future__ import annotations
@@ -23,17 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from adapters.types import AdapterSummary, BaseModelShapes
 from adapters.validation import validate_adapter
 from api.admission import Admission, InFlight, Release
+from api.blocking import BlockingPools, Probe, UploadGate
 from api.context import RequestContext
 from api.keyfiles import tenant_cache_salt
 from api.metering import UsageMeter
 from api.metrics import Metrics
 from api.quotas import QuotaLimiter
 from api.settings import Settings
+from api.uploads import UploadLimits, upload_limits
 from base_engine.async_engine import AsyncEngine
 from base_engine.engine import DTYPES
 from registry.disk_cache import DiskTier
@@ -75,6 +81,25 @@ class AppState:
     metrics: Metrics | None = None
     quotas: QuotaLimiter | None = None
     admin_key_created: bool = False
+    # Issue 13, built in __post_init__: own thread pools, the upload bound and limits, /ready probes.
+    pools: BlockingPools = field(init=False)
+    upload_gate: UploadGate = field(init=False)
+    upload_limits: UploadLimits = field(init=False)
+    ready_probes: dict[str, Probe] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pools = BlockingPools(max_uploads=self.settings.max_concurrent_uploads)
+        self.upload_gate = UploadGate(self.settings.max_concurrent_uploads)
+        self.upload_limits = upload_limits(self.settings, self.base_shapes)
+        self.ready_probes = {
+            "database": Probe("database", self._ping_database, self.pools.probes),
+            "object_store": Probe("object_store", self.store.check, self.pools.probes),
+        }
+        self.on_drain.append(self.pools.shutdown)
+
+    def _ping_database(self) -> None:
+        with self.sessions() as session:
+            session.execute(text("SELECT 1"))
 
     @property
     def max_model_len(self) -> int:
@@ -97,7 +122,7 @@ class AppState:
             validate_adapter,
             base=self.base_shapes,
             max_lora_rank=self.settings.max_lora_rank,
-            max_size_bytes=self.settings.max_upload_bytes,
+            max_size_bytes=self.upload_limits.weights_bytes,
             dtype=self.engine.engine.dtype if self.settings.dtype == "auto" else DTYPES[self.settings.dtype],
         )
 

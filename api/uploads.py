@@ -2,13 +2,21 @@
 
 Form: a text field `name` and the two PEFT files as repeated `files` parts whose file names are
 exactly `adapter_config.json` and `adapter_model.safetensors`. Parts are written straight to a
-temporary directory under those fixed names (a client's file name never becomes a path); the body
-is refused with 413 as soon as it passes the size limit (or at once from Content-Length), and
-anything else, such as PEFT's pickle `adapter_model.bin`, with 400 naming the part.
+temporary directory under those fixed names, chunk by chunk as they arrive (a client's file name
+never becomes a path, and no part is ever held in memory whole); the body is refused with 413 as
+soon as it passes the size limit (or at once from Content-Length), and anything else, such as
+PEFT's pickle `adapter_model.bin`, with 400 naming the part.
+
+The limits come from the base model (`upload_limits`): the weights file may be as large as the
+largest legal adapter (adapters/limits.py: seven projections, every layer, `max_lora_rank`, fp32),
+the body that plus the largest config and the multipart framing, unless `max_upload_bytes` is set.
 """
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -16,13 +24,32 @@ from fastapi import Request
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
+from adapters.limits import max_adapter_weights_bytes
+from adapters.types import BaseModelShapes
 from api.errors import APIError
+from api.settings import Settings
 from registry.types import CONFIG_FILE, WEIGHTS_FILE
 
 NAME_FIELD = "name"
 FILES_FIELD = "files"
 _MAX_NAME_BYTES = 256
 _ALLOWED = (CONFIG_FILE, WEIGHTS_FILE)
+MAX_CONFIG_BYTES = 1 << 20  # what adapters/format.py reads of adapter_config.json at most
+_FORM_OVERHEAD_BYTES = 64 << 10  # boundaries, part headers and the `name` field
+_WRITE_BATCH_BYTES = 1 << 20  # body handed to the parser (and the disk) at a time
+
+
+@dataclass(frozen=True, slots=True)
+class UploadLimits:
+    body_bytes: int  # the whole multipart body (413 past it)
+    weights_bytes: int  # adapter_model.safetensors (validation refuses a larger file)
+
+
+def upload_limits(settings: Settings, base: BaseModelShapes) -> UploadLimits:
+    """The body and weights limits for this base model and `max_lora_rank` (see the module docstring)."""
+    weights = max_adapter_weights_bytes(base, settings.max_lora_rank)
+    body = settings.max_upload_bytes or weights + MAX_CONFIG_BYTES + _FORM_OVERHEAD_BYTES
+    return UploadLimits(body_bytes=body, weights_bytes=min(weights, body))
 
 
 def _too_large(max_bytes: int) -> APIError:
@@ -117,8 +144,13 @@ class _AdapterForm:
             self._target.close()
 
 
-async def receive_adapter_upload(request: Request, dest: Path, *, max_bytes: int) -> str:
-    """Write the upload's files into `dest`; returns the adapter name from the `name` field."""
+async def receive_adapter_upload(
+    request: Request, dest: Path, *, max_bytes: int, executor: Executor | None = None
+) -> str:
+    """Write the upload's files into `dest`; returns the adapter name from the `name` field.
+
+    With an `executor`, parsing and the file writes run there, `_WRITE_BATCH_BYTES` of body at a
+    time, so a slow disk never blocks the event loop."""
     content_type, options = parse_options_header(request.headers.get("content-type", ""))
     boundary = options.get(b"boundary")
     if content_type != b"multipart/form-data" or not boundary:
@@ -129,12 +161,25 @@ async def receive_adapter_upload(request: Request, dest: Path, *, max_bytes: int
     form = _AdapterForm(dest)
     parser = MultipartParser(boundary, form.callbacks())  # type: ignore[arg-type]
     received = 0
+    pending = bytearray()
+    loop = asyncio.get_running_loop()
+
+    async def write(data: bytes) -> None:
+        if executor is None:
+            parser.write(data)
+        else:
+            await loop.run_in_executor(executor, parser.write, data)
+
     try:
         async for chunk in request.stream():
             received += len(chunk)
             if received > max_bytes:
                 raise _too_large(max_bytes)
-            parser.write(chunk)
+            pending += chunk
+            if len(pending) >= _WRITE_BATCH_BYTES:
+                await write(bytes(pending))
+                pending.clear()
+        await write(bytes(pending))
         parser.finalize()
     except MultipartParseError as exc:
         raise _bad(f"malformed multipart body: {exc}") from None

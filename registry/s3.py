@@ -2,9 +2,12 @@
 
 boto3 resolves the endpoint and credentials exactly as for any AWS user (`AWS_ENDPOINT_URL`,
 profiles, environment); nothing here reads the environment. Large files go multipart through
-boto3's TransferConfig; throttling and 5xx are retried with botocore's standard retry mode
-(exponential backoff with jitter). Failures become `StoreUnavailable` with the bucket and endpoint
-named, or `ObjectNotFound` for a missing key.
+boto3's TransferConfig; throttling, 5xx, connection errors and timeouts are retried with botocore's
+standard retry mode (exponential backoff with jitter) up to `max_attempts` attempts in all. Every
+attempt has a connect timeout and a read timeout (the longest silence on an open connection), so a
+hung endpoint costs a call at most about `max_attempts * (connect + read)` seconds plus backoff,
+never forever. Failures become `StoreUnavailable` with the bucket and endpoint named, or
+`ObjectNotFound` for a missing key.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ class S3Store:
         *,
         bucket: str,
         prefix: str = "",
-        max_attempts: int = 5,
+        max_attempts: int = 3,
+        connect_timeout_s: float = 3.0,
+        read_timeout_s: float = 20.0,
         multipart_threshold: int = 16 * _MIB,
         multipart_chunksize: int = 16 * _MIB,
     ) -> None:
@@ -50,13 +55,16 @@ class S3Store:
             raise ValueError("S3 store URL needs a bucket: s3://bucket/prefix")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if connect_timeout_s <= 0 or read_timeout_s <= 0:
+            raise ValueError(f"timeouts must be > 0, got {connect_timeout_s=}, {read_timeout_s=}")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         config = Config(
             retries={"mode": "standard", "max_attempts": max_attempts},
-            connect_timeout=5,
-            read_timeout=60,
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            tcp_keepalive=True,
         )
         self._client = boto3.session.Session().client("s3", config=config)
         self._transfer = TransferConfig(

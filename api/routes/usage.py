@@ -22,6 +22,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Response
 from sqlalchemy.orm import Session
 
+from api.blocking import run_in
 from api.deps import AdminDep, SessionDep, StateDep, TenantDep
 from api.errors import APIError
 from api.metering_service import refresh_engine_metrics
@@ -158,9 +159,15 @@ def export(
 
 
 @router.get("/metrics", include_in_schema=False)
-def metrics(state: StateDep) -> Response:
+async def metrics(state: StateDep) -> Response:
     if state.metrics is None:
         raise APIError(404, "metrics are not enabled on this server", code="unknown_route")
-    refresh_engine_metrics(state)  # the gauges as of this scrape, not of the last sampler tick
-    payload, content_type = state.metrics.render()
+    metrics = state.metrics
+
+    def render() -> tuple[bytes, str]:
+        refresh_engine_metrics(state)  # the gauges as of this scrape, not of the last sampler tick
+        return metrics.render()
+
+    # In the server's own small pool: never queued behind anyio's shared pool (issue 13).
+    payload, content_type = await run_in(state.pools.ops, render)
     return Response(payload, media_type=content_type)
