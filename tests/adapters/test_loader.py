@@ -81,7 +81,8 @@ def test_format_error_stays_refused(tmp_path: Path, monkeypatch) -> None:
     loader.start(ref)
     assert _poll_until(loader, ref) == "failed"
     time.sleep(0.05)
-    assert "adapter_model.safetensors is missing" in (loader.error(ref) or "") and loader.retry_after_s(ref) is None
+    assert "adapter_model.safetensors is missing" in (loader.error(ref) or "")
+    assert loader.retry_after_s(ref) is None
     loader.start(ref)
     assert ref.id not in loader.pending
 
