@@ -37,6 +37,9 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
 _MAX_CONFIG_BYTES = 1 << 20
 _MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own header limit
+# PEFT configs and safetensors headers nest three or four levels; a deeper document is hostile (near
+# the interpreter's recursion limit it breaks json.loads, and later repr() and comparisons of it).
+_MAX_JSON_DEPTH = 32
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {"F32": (torch.float32, 4), "F16": (torch.float16, 2)}
 _DTYPES["BF16"] = (torch.bfloat16, 2)
 _PREFIX = "base_model.model."
@@ -117,24 +120,19 @@ def read_adapter_files(
     if not weights_path.is_file():
         if (adapter_dir / PICKLE_NAME).exists():
             raise AdapterFormatError(
-                f"{adapter_dir} has only {PICKLE_NAME}: pickle files are never loaded; "
+                f"the adapter has only {PICKLE_NAME}: pickle files are never loaded; "
                 f"re-save with safe_serialization=True to get {WEIGHTS_NAME}"
             )
-        raise AdapterFormatError(f"{WEIGHTS_NAME} is missing in {adapter_dir}")
+        raise AdapterFormatError(f"{WEIGHTS_NAME} is missing")  # no path: messages reach tenants
     if not config_path.is_file():
-        raise AdapterFormatError(f"{CONFIG_NAME} is missing in {adapter_dir}")
+        raise AdapterFormatError(f"{CONFIG_NAME} is missing")
     size = weights_path.stat().st_size
     if max_size_bytes is not None and size > max_size_bytes:
         raise AdapterValidationError(f"{WEIGHTS_NAME} is {size} bytes, above the limit of {max_size_bytes}")
     if config_path.stat().st_size > _MAX_CONFIG_BYTES:
         raise AdapterFormatError(f"{CONFIG_NAME} is larger than {_MAX_CONFIG_BYTES} bytes")
     config_bytes = config_path.read_bytes()
-    try:
-        config = json.loads(config_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterFormatError(f"{CONFIG_NAME} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise AdapterFormatError(f"{CONFIG_NAME} must hold a JSON object, got {type(config).__name__}")
+    config = _json_object(config_bytes, CONFIG_NAME)
     with weights_path.open("rb") as f:
         if mapped and size > 0:
             # The map is fixed at `size` (checked above) even if the file grows later.
@@ -146,6 +144,33 @@ def read_adapter_files(
             f"{WEIGHTS_NAME} grew past the limit of {max_size_bytes} bytes while read"
         )
     return AdapterFiles(config, config_bytes, weights)
+
+
+def _json_depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (`{}` is 1), walked without recursion; stops past the limit."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= _MAX_JSON_DEPTH:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _json_object(data: bytes, what: str) -> dict[str, Any]:
+    """`data` as a JSON object nested at most `_MAX_JSON_DEPTH` levels; AdapterFormatError otherwise."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise AdapterFormatError(f"{what} nests deeper than {_MAX_JSON_DEPTH} levels") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterFormatError(f"{what} is not valid JSON: {exc}") from exc
+    if _json_depth(value) > _MAX_JSON_DEPTH:
+        raise AdapterFormatError(f"{what} nests deeper than {_MAX_JSON_DEPTH} levels")
+    if not isinstance(value, dict):
+        raise AdapterFormatError(f"{what} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _is_int_list(value: Any) -> bool:
@@ -163,12 +188,7 @@ def check_header(data: bytes | mmap.mmap) -> dict[str, tuple[str, list[int]]]:
         raise AdapterFormatError(
             f"{WEIGHTS_NAME} is truncated or corrupt: header of {header_len} bytes in a {len(data)}-byte file"
         )
-    try:
-        header = json.loads(data[8 : 8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterFormatError(f"{WEIGHTS_NAME} header is not valid JSON: {exc}") from exc
-    if not isinstance(header, dict):
-        raise AdapterFormatError(f"{WEIGHTS_NAME} header must be a JSON object")
+    header = _json_object(data[8 : 8 + header_len], f"{WEIGHTS_NAME} header")
     header.pop("__metadata__", None)
     data_len = len(data) - 8 - header_len
     infos: dict[str, tuple[str, list[int]]] = {}

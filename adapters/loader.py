@@ -73,9 +73,10 @@ class AdapterLoader:
         self._fetch_pool = ThreadPoolExecutor(num_fetch_workers, thread_name_prefix="adapter-fetch")
 
     def error(self, ref: AdapterRef) -> str | None:
-        """Why `ref` cannot be served now; None also when a transient failure's pause is over."""
+        """Why `ref` cannot be served now; None also when a transient failure's pause is over, or
+        when its files have reached local disk meanwhile (fetched for the API: nothing to wait for)."""
         failure = self.failed.get(ref.id)
-        if failure is None or self._may_retry(failure):
+        if failure is None or self._may_retry(failure) or self._is_local_now(ref, failure):
             return None
         return failure.message
 
@@ -91,7 +92,7 @@ class AdapterLoader:
         if ref.id in self.pending:
             return
         failure = self.failed.get(ref.id)
-        if failure is not None and not self._may_retry(failure):
+        if failure is not None and not (self._may_retry(failure) or self._is_local_now(ref, failure)):
             return
         self.failed.pop(ref.id, None)
         future: Future[LoraAdapter] = Future()
@@ -133,6 +134,10 @@ class AdapterLoader:
     @staticmethod
     def _may_retry(failure: LoadFailure) -> bool:
         return failure.retry_at is not None and time.monotonic() >= failure.retry_at
+
+    def _is_local_now(self, ref: AdapterRef, failure: LoadFailure) -> bool:
+        is_local = self.local_path is not None and self.local_path(ref) is not None
+        return failure.retry_at is not None and is_local
 
     def _record_failure(self, ref_id: str, exc: BaseException) -> str:
         message = f"adapter {ref_id!r} cannot be served: {exc}"

@@ -11,8 +11,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from api.console import install_console
 from api.errors import install_error_handlers
@@ -43,7 +45,23 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
     for router in (openai.router, adapters.router, admin.router, health.router, usage.router, *extra_routers):
         app.include_router(router)
     install_console(app, state)  # the admin web console under /admin (api/console/README.md)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document without the 422 it adds to every route with parameters: invalid input is
+    400 here (api/errors.py), and each route lists the statuses it really returns (`responses=`)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = schema.get("components", {}).get("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def drain(state: AppState, *, timeout_s: float, poll_s: float = 0.05) -> None:

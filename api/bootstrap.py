@@ -11,10 +11,18 @@ import json
 import logging
 import shlex
 
+from api.adapter_fetch import AdapterFetch
 from api.admission import Admission
 from api.demo import ensure_demo_tenant
 from api.demo_traits import TRAITS
-from api.keyfiles import ADMIN_KEY_FILE, SERVER_SECRET_FILE, new_admin_key, read_or_create_secret
+from api.keyfiles import (
+    ADMIN_KEY_FILE,
+    SERVER_SECRET_FILE,
+    make_private_database,
+    make_private_dir,
+    new_admin_key,
+    read_or_create_secret,
+)
 from api.metering_service import install as install_metering
 from api.model_source import record_served_model
 from api.settings import Settings
@@ -30,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_state(settings: Settings) -> AppState:
-    data_dir = settings.data_dir
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = make_private_dir(settings.data_dir)  # 0700: keys, database, journal, adapters
+    make_private_database(settings.db_url)
     upgrade(settings.db_url)
     sessions = session_factory(
         make_engine(
@@ -48,6 +56,7 @@ def build_state(settings: Settings) -> AppState:
     )
     store.check()
     disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
+    adapter_fetch = AdapterFetch(disk)
     model_dir = settings.model_dir()
     record_served_model(data_dir, settings.model_source)
     if settings.admin_key is not None:
@@ -60,7 +69,7 @@ def build_state(settings: Settings) -> AppState:
         device=settings.device,
         dtype=settings.dtype,
         config=settings.engine_config(),
-        fetch=disk.fetch,
+        fetch=adapter_fetch,
     )
     state = AppState(
         settings=settings,
@@ -79,8 +88,10 @@ def build_state(settings: Settings) -> AppState:
             max_queue_len=settings.max_queue_len,
         ),
         admin_key_created=admin_created,
+        adapter_fetch=adapter_fetch,
     )
     install_metering(state)  # quotas, usage meter (replays a crashed run's journal), metrics
+    state.on_drain.append(adapter_fetch.shutdown)
     if settings.is_demo:
         state.demo = ensure_demo_tenant(
             sessions=sessions,

@@ -11,6 +11,7 @@ needed), applying migrations first. Help texts are plain text (no Rich markup), 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -127,6 +128,7 @@ def serve(
         typer.echo(f"Using the random-weight demo model in {settings.demo_model_dir}")
     elif source.kind == "default":
         typer.echo(f"Serving the default model {source.served_name} (models kept in {settings.models_path})")
+    os.umask(0o077)  # whatever the server writes is private to its user (api/keyfiles.py)
     state = build_state(settings)
     typer.echo(banner(state))
     run(create_app(state), state)

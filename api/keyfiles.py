@@ -1,7 +1,11 @@
-"""Secrets kept in the data directory (admin key, server secret, demo tenant key), mode 0600.
+"""Secrets kept in the data directory (admin key, server secret, demo tenant key), mode 0600, and
+the modes of the data directory itself.
 
 Written with O_CREAT|O_EXCL so two processes starting on one data dir agree on a single value, and
-read back on every start so printed keys (and curl lines) keep working across restarts.
+read back on every start so printed keys (and curl lines) keep working across restarts. The data
+directory is 0700 and the SQLite database (with its WAL and shared-memory files) 0600, tightened on
+every start; `loraserve serve` also runs with umask 077, so whatever else it creates (journal,
+objects, disk tier, uploads) is private to the server's user too.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
+from sqlalchemy.engine import make_url
+
 ADMIN_KEY_FILE = "admin.key"
 SERVER_SECRET_FILE = "server-secret"
 DEMO_KEY_FILE = "demo-tenant.key"
@@ -21,6 +27,27 @@ ADMIN_KEY_SCHEME = "lsa"  # tenant keys are "lsk-...": the two can never be conf
 
 def new_admin_key() -> str:
     return f"{ADMIN_KEY_SCHEME}-{secrets.token_urlsafe(32)}"
+
+
+def make_private_dir(path: Path) -> Path:
+    """`path` as a directory only its owner can enter (0700), created with its parents if missing."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def make_private_database(db_url: str) -> None:
+    """A SQLite database file (and its WAL/SHM files, which SQLite creates with the database's mode)
+    exists as 0600 before anything opens it; other databases keep their server's own protection."""
+    url = make_url(db_url)
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return
+    database = Path(url.database)
+    database.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(database, os.O_WRONLY | os.O_CREAT, 0o600))
+    for path in (database, Path(f"{database}-wal"), Path(f"{database}-shm"), Path(f"{database}-journal")):
+        if path.exists():
+            path.chmod(0o600)
 
 
 def read_secret(path: Path) -> str | None:
@@ -56,6 +83,7 @@ def read_or_create_secret(path: Path, make: Callable[[], str]) -> tuple[str, boo
     """(secret, created): the value in `path`, or a new `make()` stored there first."""
     existing = read_secret(path)
     if existing is not None:
+        path.chmod(0o600)  # a file another tool (or an older version) left readable
         return existing, False
     created = write_secret(path, make())
     value = read_secret(path)

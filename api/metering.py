@@ -1,31 +1,42 @@
 """Usage metering: every request billed exactly once, off the request path, surviving a crash.
 
 The outbox pattern of ../shared/reference/platform.md, section 3.2, with a local write-ahead journal
-in front of it:
+in front of it (line format in api/usage_journal.py):
 
-- `begin(request_id, ...)` appends a `begin` line to an append-only JSON-lines journal when a
-  request is admitted (tenant, key prefix, adapter, prompt tokens, start time).
+- `begin(request_id, ...)` appends a `begin` line when a request is admitted (tenant, key prefix,
+  adapter, prompt tokens, start time).
+- `progress(request_id, ...)` notes, in memory only, how many tokens a stream has handed to its
+  client; the journal thread appends a `progress` line for every request that moved, every
+  `progress_interval_s`.
 - `finish(record)` appends a `finish` line with the full `UsageRecord` and buffers the record.
-- A background thread writes the buffer to SQL every `flush_interval_s` (or as soon as
-  `batch_size` records wait) through `registry.usage.write_usage`, which inserts with
-  ON CONFLICT (request_id) DO NOTHING, so replays never double-bill. After a successful write the
-  journal is compacted: it is rewritten to hold only the requests still in flight and the records
-  not yet written.
+- The flusher thread writes the buffer to SQL every `flush_interval_s` (or as soon as `batch_size`
+  records wait) through `registry.usage.write_usage`, which inserts with ON CONFLICT (request_id)
+  DO NOTHING, so replays never double-bill. After a successful write the journal is compacted: a
+  successor file holding only the requests still in flight (with their progress) and the records
+  not yet written takes over, then replaces the old file.
 - `flush()` writes everything now (usage reads call it first, so a read includes every request
   finished before it); `stop()` flushes and leaves the journal empty of finished requests.
 - `recover()` at start-up (before `start()`) replays the journal of a previous process: `finish`
-  lines are written as recorded, `begin` lines without a `finish` are written as aborted requests
-  with the prompt tokens known at admission (no completion tokens, no cached tokens, ending at the
-  journal's last modification time).
+  lines are written as recorded; a request with a `begin` and no `finish` is written as aborted,
+  billed its prompt and the tokens of its last journaled progress, ending at the journal's last
+  modification time.
 
-Crash bound. Every journal line is written to the operating system before `begin`/`finish`
-returns, and fsync'd by the background thread at most `flush_interval_s` later (batched, so the
-request path never waits for the disk). Hence:
-- the process dies (OOM kill, SIGKILL, segfault): nothing finished is lost, and requests in flight
-  are billed as aborted with their prompt tokens; the completion tokens they produced before the
-  crash are lost (at most one request's generation each);
-- the machine dies (power, kernel panic): additionally, requests that began or finished in the
-  last `flush_interval_s` before the crash may be missing from the journal, so they are not billed;
+Locks. `_lock` guards the in-memory state and the journal handle; the request path only ever takes
+it for a dictionary update and at most one buffered line written to the operating system (no
+fsync). `fsync` runs on the background threads under `_sync_lock` alone (which the request path
+never takes), so a slow disk delays durability, never a request or the engine.
+
+Crash bound. `begin` and `finish` lines reach the operating system before those calls return;
+progress lines at most `progress_interval_s` (0.5 s) after the client was sent the tokens; the
+journal thread fsyncs every `progress_interval_s`. Hence:
+- the process dies (OOM kill, SIGKILL, segfault): nothing finished is lost; a request in flight is
+  billed as aborted with its prompt and every token streamed to its client more than
+  `progress_interval_s` before the crash (a loss of at most that much streaming per request, which
+  the documented bound rounds up to 1 s); a non-streaming request in flight handed its client
+  nothing and is billed its prompt;
+- the machine dies (power, kernel panic): additionally, lines of the last `progress_interval_s`
+  may not be on disk, so requests that began or finished then may be missing or billed by their
+  last durable progress;
 - a database outage: records stay buffered (and journaled) and are retried every interval; a
   clean `stop()` during an outage leaves them in the journal for the next start.
 Because writes are idempotent by request id, a crash between the SQL commit and the compaction
@@ -45,7 +56,16 @@ from typing import IO
 
 from sqlalchemy.orm import Session
 
-from api.usage_journal import InFlightRequest, begin_line, finish_line, fsync_dir, parse_line
+from api.usage_journal import (
+    InFlightRequest,
+    Progress,
+    begin_line,
+    finish_line,
+    fsync_dir,
+    open_journal,
+    progress_line,
+    replay,
+)
 from registry.usage import UsageRecord, write_usage
 
 logger = logging.getLogger(__name__)
@@ -53,6 +73,7 @@ logger = logging.getLogger(__name__)
 # Request ids remembered after `finish`, so a second finish of the same request (engine callback
 # and route both reporting it) is ignored without growing memory without bound.
 _RECENT_IDS = 100_000
+PROGRESS_INTERVAL_S = 0.5
 
 
 class UsageMeter:
@@ -63,25 +84,31 @@ class UsageMeter:
         journal_path: Path,
         flush_interval_s: float = 1.0,
         batch_size: int = 500,
+        progress_interval_s: float = PROGRESS_INTERVAL_S,
     ) -> None:
-        if flush_interval_s <= 0 or batch_size < 1:
+        if flush_interval_s <= 0 or batch_size < 1 or progress_interval_s <= 0:
             raise ValueError(
-                f"need flush_interval_s > 0 and batch_size >= 1, got {flush_interval_s}, {batch_size}"
+                "need flush_interval_s > 0, batch_size >= 1 and progress_interval_s > 0, got "
+                f"{flush_interval_s}, {batch_size}, {progress_interval_s}"
             )
         self.session_factory = session_factory
         self.journal_path = Path(journal_path)
+        self.successor_path = self.journal_path.with_name(self.journal_path.name + ".next")
         self.flush_interval_s = flush_interval_s
         self.batch_size = batch_size
-        self._lock = threading.Lock()  # journal handle, _open, _buffer, _recent
+        self.progress_interval_s = progress_interval_s
+        self._lock = threading.Lock()  # journal handle, _open, _moved, _buffer, _recent, _is_dirty
         self._flush_lock = threading.Lock()  # one flush at a time: batches commit in finish order
+        self._sync_lock = threading.Lock()  # fsync vs. compaction swapping the journal file
         self._open: dict[str, InFlightRequest] = {}
+        self._moved: set[str] = set()  # open requests whose progress is not journaled yet
         self._buffer: list[UsageRecord] = []
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._journal: IO[str] | None = None
         self._is_dirty = False  # journal lines written since the last fsync
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     @property
     def num_in_flight(self) -> int:
@@ -101,28 +128,15 @@ class UsageMeter:
         """
         if self._journal is not None:
             raise RuntimeError("recover() must run before start(): the journal now holds live requests")
-        if not self.journal_path.exists():
+        # A crash during compaction leaves the old file and its successor: read both, in that order.
+        paths = [p for p in (self.journal_path, self.successor_path) if p.exists()]
+        if not paths:
             return 0
-        crashed_at = datetime.fromtimestamp(self.journal_path.stat().st_mtime, UTC)
-        begun: dict[str, InFlightRequest] = {}
-        finished: dict[str, UsageRecord] = {}
-        for number, line in enumerate(self.journal_path.read_text().splitlines(), 1):
-            try:
-                entry = parse_line(line)
-            except (ValueError, KeyError, TypeError) as exc:  # a torn last line after a crash
-                logger.warning(
-                    "skipping unreadable usage journal line %d of %s: %s", number, self.journal_path, exc
-                )
-                continue
-            if isinstance(entry, InFlightRequest):
-                begun[entry.request_id] = entry
-            else:
-                finished.setdefault(entry.request_id, entry)
-        records = list(finished.values())
-        records += [req.aborted(crashed_at) for rid, req in begun.items() if rid not in finished]
+        crashed_at = datetime.fromtimestamp(max(p.stat().st_mtime for p in paths), UTC)
+        records, num_aborted = replay(paths, crashed_at)
         inserted = self._write(records)
-        self.journal_path.unlink()
-        num_aborted = len(records) - len(finished)
+        for path in paths:
+            path.unlink()
         logger.info(
             "usage journal replayed: %d records (%d unfinished billed as aborted), %d new rows",
             len(records),
@@ -132,32 +146,38 @@ class UsageMeter:
         return inserted
 
     def start(self) -> None:
-        """Open the journal and start the background flusher."""
+        """Open the journal and start the flusher (database) and journal (progress, fsync) threads."""
         if self._journal is not None:
             raise RuntimeError("UsageMeter already started")
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
-        self._journal = open(self.journal_path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+        self._journal = open_journal(self.journal_path)
         self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name="loraserve-usage-flusher", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run_flusher, name="loraserve-usage-flusher", daemon=True),
+            threading.Thread(target=self._run_journal, name="loraserve-usage-journal", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
-        """Stop the flusher and write every buffered record (kept in the journal if that fails)."""
+        """Stop both threads and write every buffered record (kept in the journal if that fails)."""
         self._stopping.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
         try:
             self.flush()
         except Exception:
             logger.exception("usage flush at stop failed; %d records stay in the journal", len(self._buffer))
-        with self._flush_lock, self._lock:
-            if self._journal is not None:
-                self._journal.flush()
-                os.fsync(self._journal.fileno())
-                self._journal.close()
-                self._journal = None
+        self.write_progress()
+        with self._sync_lock:
+            with self._lock:
+                journal, self._journal = self._journal, None
+            if journal is not None:
+                journal.flush()
+                os.fsync(journal.fileno())
+                journal.close()
 
     # ---- the request path ---------------------------------------------------------------------
 
@@ -191,6 +211,20 @@ class UsageMeter:
             journal.flush()
             self._is_dirty = True
 
+    def progress(self, request_id: str, *, completion_tokens: int, cached_prompt_tokens: int = 0) -> None:
+        """Note what a running request's client has been sent so far (totals, not increments).
+
+        Memory only, O(1): safe on the event loop for every chunk. The journal thread writes it.
+        """
+        with self._lock:
+            req = self._open.get(request_id)
+            if req is None:  # finished already, or never begun
+                return
+            moved = req.with_progress(Progress(request_id, completion_tokens, cached_prompt_tokens))
+            if moved != req:
+                self._open[request_id] = moved
+                self._moved.add(request_id)
+
     def finish(self, record: UsageRecord) -> bool:
         """Buffer a finished request's record; False (ignored) when that request was already finished.
 
@@ -205,6 +239,7 @@ class UsageMeter:
             if len(self._recent) > _RECENT_IDS:
                 self._recent.popitem(last=False)
             self._open.pop(record.request_id, None)
+            self._moved.discard(record.request_id)
             self._buffer.append(record)
             journal.write(finish_line(record))
             journal.flush()
@@ -217,24 +252,40 @@ class UsageMeter:
     def in_flight(self, request_id: str) -> InFlightRequest | None:
         return self._open.get(request_id)
 
+    # ---- background work ----------------------------------------------------------------------
+
     def flush(self) -> int:
-        """Write every buffered record now, in batches; returns the rows inserted (not duplicates)."""
+        """Write every record buffered when called, in batches; returns the rows inserted (not
+        duplicates). Records finished meanwhile wait for the next flush."""
         inserted = 0
         with self._flush_lock:
-            while True:
+            with self._lock:
+                remaining = len(self._buffer)
+            while remaining > 0:
                 with self._lock:
-                    batch = self._buffer[: self.batch_size]
+                    batch = self._buffer[: min(self.batch_size, remaining)]
                     del self._buffer[: len(batch)]
-                if not batch:
-                    return inserted
+                remaining -= len(batch)
                 try:
                     inserted += self._write(batch)
                 except BaseException:
                     with self._lock:
                         self._buffer[:0] = batch  # keep finish order for the retry
                     raise
-                with self._lock:
-                    self._compact()
+                self._compact()
+        return inserted
+
+    def write_progress(self) -> int:
+        """Append a progress line for every request that moved since the last call; returns how many."""
+        with self._lock:
+            if self._journal is None or not self._moved:
+                return 0
+            lines = [progress_line(self._open[rid]) for rid in self._moved if rid in self._open]
+            self._moved.clear()
+            self._journal.write("".join(lines))
+            self._journal.flush()
+            self._is_dirty = True
+        return len(lines)
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -251,28 +302,28 @@ class UsageMeter:
         return inserted
 
     def _compact(self) -> None:
-        """Rewrite the journal as what is still unbilled: open requests and unwritten records.
-
-        Called with `_lock` held, so no line can be appended to the old file meanwhile.
-        """
-        if self._journal is None:
-            return
-        tmp = self.journal_path.with_name(self.journal_path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(begin_line(req) for req in self._open.values())
-            f.writelines(finish_line(rec) for rec in self._buffer)
-            f.flush()
-            os.fsync(f.fileno())
-        self._journal.close()
-        os.replace(tmp, self.journal_path)
-        fsync_dir(self.journal_path.parent)
-        self._journal = open(self.journal_path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
-        self._is_dirty = False
+        """Hand the journal over to a successor holding only what is still unbilled: open requests
+        (with their progress) and unwritten records; then make the successor durable and rename it
+        over the old file. Lines appended meanwhile go to the successor, so none is lost; a crash
+        before the rename leaves both files, and `recover` reads both."""
+        with self._sync_lock:
+            with self._lock:
+                if self._journal is None:
+                    return
+                successor = open_journal(self.successor_path, truncate=True)
+                successor.writelines(begin_line(req) for req in self._open.values())
+                successor.writelines(finish_line(rec) for rec in self._buffer)
+                successor.flush()  # into the OS; the fsync below runs without _lock
+                old, self._journal = self._journal, successor
+                self._moved.clear()  # the begin lines above carry every request's progress
+                self._is_dirty = True
+            old.close()
+            os.fsync(successor.fileno())
+            os.replace(self.successor_path, self.journal_path)
+            fsync_dir(self.journal_path.parent)
 
     def _fsync_journal(self) -> None:
-        # Under the flush lock (no compaction can swap the file) but not the state lock, so
-        # `begin`/`finish` on the request path never wait for the disk.
-        with self._flush_lock:
+        with self._sync_lock:  # no compaction can close the file meanwhile
             with self._lock:
                 if self._journal is None or not self._is_dirty:
                     return
@@ -280,12 +331,20 @@ class UsageMeter:
                 self._is_dirty = False
             os.fsync(fd)
 
-    def _run(self) -> None:
+    def _run_flusher(self) -> None:
         while not self._stopping.is_set():
             self._wake.wait(self.flush_interval_s)
             self._wake.clear()
             try:
-                self._fsync_journal()
                 self.flush()
             except Exception:
                 logger.exception("usage flush failed; %d records kept for the next try", len(self._buffer))
+
+    def _run_journal(self) -> None:
+        # Never waits for the database: progress keeps being journaled through an outage.
+        while not self._stopping.wait(self.progress_interval_s):
+            try:
+                self.write_progress()
+                self._fsync_journal()
+            except Exception:
+                logger.exception("usage journal write failed")

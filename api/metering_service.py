@@ -7,13 +7,17 @@ What is metered (one `UsageRecord` per HTTP request, keyed by its request id = r
   aborted by a disconnect, timeout or shutdown, failed in the engine). Its tokens are exactly the
   response's `usage` (`api.context.compute_usage` over the final outputs): each prompt once, cached
   prompt tokens of the first choice, completion tokens of every choice. An admitted request pays
-  for its prompt even when it is aborted before the engine ran it (the rule crash recovery uses).
+  for its prompt even when it is aborted before the engine ran it. While a stream runs, `progress`
+  notes the tokens it has sent (`on_progress`), so that after a crash recovery bills the prompt and
+  what was streamed up to ~0.5 s before it (api/metering.py).
 - not requests refused before admission: 400 (validation, context length), 401, 404, 429 (quota)
   and 503 (overload, draining) never reach the engine and are not billed, as OpenAI does not bill
   them (../shared/reference/platform.md section 1.4).
 
-Quotas are checked before any engine work; the 429 carries `Retry-After` (whole seconds, rounded
-up), `retry-after-ms`, `x-ratelimit-*` and `x-should-retry: false` when waiting cannot help.
+Metrics name no tenant unless asked (`metrics_tenant_labels`, or the metrics token on the scrape:
+api/routes/usage.py). Quotas are checked before any engine work; the 429 carries `Retry-After`
+(whole seconds, rounded up), `retry-after-ms`, `x-ratelimit-*` and `x-should-retry: false` when
+waiting cannot help.
 """
 
 from __future__ import annotations
@@ -56,7 +60,11 @@ def install(state: AppState) -> None:
         logger.warning("billed %d requests left unwritten by the previous run", recovered)
     meter.start()
     state.meter = meter
-    state.metrics = Metrics(model_name=state.model_name, max_model_len=state.max_model_len)
+    state.metrics = Metrics(
+        model_name=state.model_name,
+        max_model_len=state.max_model_len,
+        tenant_labels=settings.metrics_tenant_labels,
+    )
     defaults = TenantQuotas(
         rpm=settings.default_rpm, tpm=settings.default_tpm, max_concurrent=settings.default_max_concurrent
     )
@@ -65,6 +73,7 @@ def install(state: AppState) -> None:
     sampler.start()
     state.admission_checks.append(functools.partial(check_quota, state))
     state.on_admitted.append(functools.partial(begin_usage, state))
+    state.on_progress.append(functools.partial(note_progress, state))
     state.inflight.on_request_finished.append(functools.partial(finish_usage, state))
     state.on_drain.append(sampler.stop)
     state.on_drain.append(meter.stop)  # after the drain: every admitted request has finished
@@ -116,6 +125,14 @@ def begin_usage(state: AppState, ctx: RequestContext) -> None:
         )
     except (OSError, RuntimeError, ValueError):  # the request is still billed when it finishes
         logger.exception("could not journal request %s", ctx.request_id)
+
+
+def note_progress(state: AppState, ctx: RequestContext, usage: Usage) -> None:
+    """`on_progress`: what a stream has sent so far, journaled by the meter's own thread (crash bound)."""
+    assert state.meter is not None
+    state.meter.progress(
+        ctx.request_id, completion_tokens=usage.completion_tokens, cached_prompt_tokens=usage.cached_tokens
+    )
 
 
 def usage_record(ctx: RequestContext, finals: list[RequestOutput], *, finished_at: datetime) -> UsageRecord:

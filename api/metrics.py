@@ -4,9 +4,15 @@ Names, types and buckets follow vLLM's V1 engine (`vllm-project/vllm docs/design
 `vllm/v1/metrics/loggers.py`, summarized in ../shared/reference/platform.md section 2.1): every
 vLLM metric carries a `model_name` label with the served base model's name.
 `vllm:kv_cache_usage_perc` is the share of KV blocks held by live requests (blocks that only the
-prefix cache remembers count as free), as vLLM computes it. Per-tenant counters have a `tenant`
-label and nothing finer (adapter detail belongs to the usage API, not to label cardinality), and
-at most `max_tenant_labels` distinct tenants get their own series; the rest share `tenant="other"`.
+prefix cache remembers count as free), as vLLM computes it.
+
+Tenant privacy: `/metrics` is unauthenticated, so what it shows by default names no tenant. The
+per-tenant counters (`tenant` label, nothing finer: adapter detail belongs to the usage API, and at
+most `max_tenant_labels` tenants get their own series, the rest share `tenant="other"`) live in a
+registry of their own, rendered only on request (`render(include_tenants=True)`: the operator
+opted in, or the scrape carried the metrics token). `vllm:lora_requests_info` names adapters as
+clients send them in `model` (vLLM's convention: the adapter's name, no tenant id); with
+`tenant_labels=True` it shows the engine's full ids (`<tenant id>/<name>@<version>`) instead.
 
 Token counters count engine work: an HTTP request with n=2 runs its prompt twice and counts it
 twice here, while the usage API bills the prompt once (OpenAI's rule for `n`).
@@ -46,6 +52,14 @@ def one_two_five_buckets(max_value: int) -> list[float]:
         exponent += 1
 
 
+def adapter_label(ref_id: str) -> str:
+    """An engine adapter id as clients name the adapter in `model`: "<tenant id>/<name>@<version>"
+    -> "<name>" (what /v1/models lists); ids of another form (offline paths) are kept as they are."""
+    tenant, slash, rest = ref_id.partition("/")
+    name, at, version = rest.rpartition("@")
+    return name if slash and at and name and version.isdigit() and "/" not in rest else ref_id
+
+
 class _Total:
     """Feeds a Prometheus counter from a cumulative total read elsewhere (the engine's stats)."""
 
@@ -70,8 +84,11 @@ class Metrics:
         max_tenant_labels: int = 1000,
         recent: RecentStats | None = None,
         wall_clock: Callable[[], float] = time.time,
+        tenant_labels: bool = False,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.tenant_registry = CollectorRegistry()  # series that name tenants: rendered on request
+        self.tenant_labels = tenant_labels
         self.model_name = model_name
         self.max_tenant_labels = max_tenant_labels
         self.recent = recent if recent is not None else RecentStats()
@@ -151,7 +168,7 @@ class Metrics:
         )
 
     def _define_loraserve(self) -> None:
-        r = self.registry
+        r, tenants = self.registry, self.tenant_registry
         self.adapters_resident = Gauge(
             "loraserve_adapter_cache_adapters", "Adapters resident per cache tier.", ["tier"], registry=r
         )
@@ -162,8 +179,8 @@ class Metrics:
             registry=r,
         )
 
-        def c(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, list(labels), registry=r)
+        def c(name: str, doc: str, labels: tuple[str, ...] = (), registry: CollectorRegistry = r) -> Counter:
+            return Counter(name, doc, list(labels), registry=registry)
 
         self.adapter_loads = _Total(c("loraserve_adapter_loads", "Adapters loaded into host memory."))
         self.adapter_load_seconds = _Total(
@@ -182,18 +199,19 @@ class Metrics:
         self.gpu_evictions = _Total(evictions.labels("gpu"))
         self.cpu_evictions = _Total(evictions.labels("cpu"))
         self.tenant_requests = c(
-            "loraserve_tenant_requests", "Finished engine requests per tenant.", ("tenant",)
+            "loraserve_tenant_requests", "Finished engine requests per tenant.", ("tenant",), tenants
         )
         self.tenant_prompt_tokens = c(
-            "loraserve_tenant_prompt_tokens", "Prompt tokens per tenant.", ("tenant",)
+            "loraserve_tenant_prompt_tokens", "Prompt tokens per tenant.", ("tenant",), tenants
         )
         self.tenant_cached_tokens = c(
             "loraserve_tenant_cached_prompt_tokens",
             "Prompt tokens served from the prefix cache.",
             ("tenant",),
+            tenants,
         )
         self.tenant_generation_tokens = c(
-            "loraserve_tenant_generation_tokens", "Generated tokens per tenant.", ("tenant",)
+            "loraserve_tenant_generation_tokens", "Generated tokens per tenant.", ("tenant",), tenants
         )
 
     # ---- updates ------------------------------------------------------------------------------
@@ -266,25 +284,31 @@ class Metrics:
             (self.cpu_evictions, "cpu_evictions"),
         ):
             total.update(num(key))
-        running, waiting = [], []
+        running: set[str] = set()
+        waiting: set[str] = set()
         per_adapter = a.get("per_adapter", {})
         if isinstance(per_adapter, dict):
-            for ref_id, counts in sorted(per_adapter.items()):
+            for ref_id, counts in per_adapter.items():
+                label = ref_id if self.tenant_labels else adapter_label(ref_id)
                 if isinstance(counts, dict) and counts.get("running"):
-                    running.append(ref_id)
+                    running.add(label)
                 if isinstance(counts, dict) and counts.get("waiting"):
-                    waiting.append(ref_id)
+                    waiting.add(label)
         # One series at a time: vLLM's labels change every sample, and old label sets must not pile up.
         self.lora_info.clear()
-        self.lora_info.labels(str(int(num("num_slots"))), ",".join(running), ",".join(waiting)).set(
-            self.wall_clock()
-        )
+        self.lora_info.labels(
+            str(int(num("num_slots"))), ",".join(sorted(running)), ",".join(sorted(waiting))
+        ).set(self.wall_clock())
 
     # ---- reading ------------------------------------------------------------------------------
 
-    def render(self) -> tuple[bytes, str]:
-        """The Prometheus text exposition and its content type, for `GET /metrics`."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, *, include_tenants: bool = False) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type, for `GET /metrics`; the per-tenant
+        series only with `include_tenants` (two expositions of disjoint families concatenate)."""
+        payload = generate_latest(self.registry)
+        if include_tenants:
+            payload += generate_latest(self.tenant_registry)
+        return payload, CONTENT_TYPE_LATEST
 
     def timeseries(self) -> dict[str, object]:
         return self.recent.timeseries()

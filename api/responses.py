@@ -2,8 +2,11 @@
 
 Streaming follows the OpenAI wire format: `data: {chunk}` events, on include_usage a final chunk
 with `choices: []` and the usage, then `data: [DONE]`. Once the 200 is out, a failure becomes
-`data: {"error": {...}}` followed by `[DONE]` (what the openai client raises on). Usage comes from
-the engine's final outputs through `api.context.compute_usage`, the rule metering also uses.
+`data: {"error": {...}}` followed by `[DONE]` (what the openai client raises on); when every choice
+has ended (a shutdown's drain aborts them all; an engine error), an include_usage stream still gets
+its usage chunk first, so clients see what they are billed. Usage comes from the engine's final
+outputs through `api.context.compute_usage`, the rule metering also uses. As a stream hands tokens
+to its client it reports them to `on_progress` (the meter's crash bound, api/metering.py).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from api import formatting as fmt
+from api.adapter_fetch import RETRY_AFTER_S as ADAPTER_RETRY_AFTER_S
+from api.adapter_fetch import StoreUnreachable
 from api.admission import NOT_ADMITTED, Ticket
-from api.context import RequestContext, RequestKind, compute_usage
+from api.context import RequestContext, RequestKind, Usage, compute_usage
 from api.deps import Caller
 from api.errors import APIError
 from api.generation import (
@@ -37,6 +42,7 @@ from api.state import AppState
 from api.tools import finish_reason as tool_finish_reason
 from api.tools import message_fields as tool_fields
 from base_engine.outputs import RequestOutput
+from registry.errors import RegistryError
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +80,7 @@ async def create_completion(
     )
     ctx = plan.ctx
     try:
+        await _fetch_adapter(state, plan)
         ticket = admit(state, ctx, len(plan.requests))
     except APIError as exc:
         exc.headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers, **exc.headers}
@@ -96,6 +103,33 @@ async def create_completion(
         abandon_unstarted(state, plan)
         ticket.release(ctx.usage)
     return JSONResponse(_response_body(state, plan, finals), headers=headers)
+
+
+async def _fetch_adapter(state: AppState, plan: GenerationPlan) -> None:
+    """The files of an adapter the engine does not hold are fetched into the disk tier before the
+    request is admitted: an unreachable object store is a 503 before any 200 (streams included), and
+    no admission slot waits for a download."""
+    ref = plan.requests[0].adapter if plan.requests else None
+    if ref is None or state.adapter_fetch is None or ref.id in state.engine.adapter_residency():
+        return
+    try:
+        await state.adapter_fetch.ensure_local(ref)
+    except StoreUnreachable:
+        raise _adapter_unavailable(plan.ctx.model) from None
+    except RegistryError as exc:  # deleted behind the registry's back, corrupt: not the caller's fault
+        logger.error("adapter %s cannot be fetched: %s", ref.id, exc)
+        raise APIError(
+            500, f"The adapter `{plan.ctx.model}` cannot be served now.", code="adapter_load_failed"
+        ) from None
+
+
+def _adapter_unavailable(model: str) -> APIError:
+    return APIError(
+        503,
+        f"The adapter `{model}` cannot be loaded right now (its storage is unreachable); retry later.",
+        code="adapter_unavailable",
+        headers={"Retry-After": str(ADAPTER_RETRY_AFTER_S)},
+    )
 
 
 def admit(state: AppState, ctx: RequestContext, num_requests: int) -> Ticket:
@@ -123,7 +157,7 @@ async def _collect(state: AppState, plan: GenerationPlan) -> list[RequestOutput]
     except RequestTimeout:
         raise _timeout_error(state) from None
     plan.ctx.usage = compute_usage(finals, n=plan.ctx.n)
-    failure = _failure(plan.ctx, finals)
+    failure = _failure(state, plan, finals)
     if failure is not None:
         raise failure
     return finals
@@ -135,10 +169,17 @@ def _timeout_error(state: AppState) -> APIError:
     )
 
 
-def _failure(ctx: RequestContext, finals: list[RequestOutput]) -> APIError | None:
-    errors = [o.error or "engine error" for o in finals if o.finish_reason == "error"]
-    if errors:
-        return APIError(500, f"generation failed: {errors[0]}", code="engine_error")
+def _failure(state: AppState, plan: GenerationPlan, finals: list[RequestOutput]) -> APIError | None:
+    """The error a request ends with, if any. An engine error's own text is logged, never sent: it
+    can name server paths, the object store and internal ids (api/errors.py)."""
+    ctx = plan.ctx
+    failed = [o for o in finals if o.finish_reason == "error"]
+    if failed:
+        logger.error("request %s failed in the engine: %s", failed[0].request_id, failed[0].error)
+        if _is_adapter_unreachable(state, plan, failed[0]):
+            return _adapter_unavailable(ctx.model)
+        message = "Generation failed; the server logged the cause under this X-Request-Id."
+        return APIError(500, message, code="engine_error")
     if any(o.finish_reason == "abort" for o in finals):
         if ctx.abort_reason == "shutdown":
             return APIError(
@@ -146,6 +187,29 @@ def _failure(ctx: RequestContext, finals: list[RequestOutput]) -> APIError | Non
             )
         return APIError(500, f"request aborted ({ctx.abort_reason or 'by the engine'})", code="aborted")
     return None
+
+
+def _is_adapter_unreachable(state: AppState, plan: GenerationPlan, failed: RequestOutput) -> bool:
+    """The request failed before its first token because its adapter could not be fetched now."""
+    ref = next((r.adapter for r in plan.requests if r.request_id == failed.request_id), None)
+    return (
+        ref is not None
+        and failed.num_completion_tokens == 0
+        and state.adapter_fetch is not None
+        and state.adapter_fetch.is_unreachable(ref.id)
+    )
+
+
+def _note_progress(state: AppState, ctx: RequestContext, sent: list[int], cached: dict[int, int]) -> None:
+    """`on_progress` hooks with what the stream has handed its client so far (prompt counted once, its
+    cached tokens from each prompt's first choice, as `compute_usage` counts them)."""
+    usage = Usage(
+        prompt_tokens=ctx.num_prompt_tokens,
+        completion_tokens=sum(sent),
+        cached_tokens=sum(cached.get(i, 0) for i in range(0, len(sent), ctx.n)),
+    )
+    for hook in state.on_progress:
+        hook(ctx, usage)
 
 
 def _response_body(state: AppState, plan: GenerationPlan, finals: list[RequestOutput]) -> dict[str, Any]:
@@ -179,15 +243,18 @@ async def stream_events(state: AppState, plan: GenerationPlan) -> AsyncIterator[
             choice = fmt.chunk_choice(ctx, index, "", None, None, role=True)
             yield fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage))
     outputs = run_choices(state, plan)
+    failure: APIError | None = None
+    sent = [0] * len(plan.requests)  # completion tokens handed to the client, per choice
+    cached: dict[int, int] = {}
     try:
         async for index, out in outputs:
             if out.finished:
                 finals[index] = out
-            failure = _failure(ctx, [out]) if out.finished else None
+                failure = failure or _failure(state, plan, [out])
             if failure is not None:
-                yield fmt.sse(failure.body())
-                yield fmt.sse("[DONE]")
-                return
+                if ctx.abort_reason == "shutdown":
+                    continue  # the drain aborts every choice: their ends make the usage chunk exact
+                break
             lp = None
             if plan.num_top_logprobs is not None and out.new_logprobs:
                 if ctx.kind == "chat":
@@ -203,13 +270,17 @@ async def stream_events(state: AppState, plan: GenerationPlan) -> AsyncIterator[
             if text or calls or out.finished or lp is not None:
                 choice = fmt.chunk_choice(ctx, index, text, reason, lp, tool_calls=calls)
                 yield fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage))
+            sent[index] += len(out.new_token_ids)
+            cached[index] = out.num_cached_tokens
+            _note_progress(state, ctx, sent, cached)  # after the yield: the client has been sent them
     except RequestTimeout:
-        yield fmt.sse(_timeout_error(state).body())
-        yield fmt.sse("[DONE]")
-        return
+        failure = failure or _timeout_error(state)
     finally:
         await outputs.aclose()
-    ctx.usage = compute_usage([finals[i] for i in range(len(plan.requests))], n=ctx.n)
-    if plan.include_usage:
-        yield fmt.sse(fmt.usage_chunk(ctx, ctx.usage))
+    if len(finals) == len(plan.requests):  # every choice ended: this usage is the billed one
+        ctx.usage = compute_usage([finals[i] for i in range(len(plan.requests))], n=ctx.n)
+        if plan.include_usage:  # also when cut (shutdown, engine error): before the error event
+            yield fmt.sse(fmt.usage_chunk(ctx, ctx.usage))
+    if failure is not None:
+        yield fmt.sse(failure.body())
     yield fmt.sse("[DONE]")

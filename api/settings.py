@@ -63,6 +63,10 @@ class Settings(BaseSettings):
     default_tpm: int | None = Field(None, ge=0)
     default_max_concurrent: int | None = Field(None, ge=0)
     usage_flush_interval_s: float = Field(1.0, gt=0)  # usage records are written in batches this often
+    # Unauthenticated /metrics carries no tenant identifiers unless opted in here; a scrape with
+    # `Authorization: Bearer <metrics_token>` (or the admin key) gets the per-tenant series anyway.
+    metrics_tenant_labels: bool = False
+    metrics_token: SecretStr | None = None
 
     # Slow dependencies (issue 13): bounded waits, so a hung object store or database ends in an error.
     store_connect_timeout_s: float = Field(3.0, gt=0)  # S3: TCP connect, per attempt

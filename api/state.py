@@ -6,6 +6,8 @@ Seams for the metering / metrics / quota layer (issue 7):
   `release(usage | None)` runs once when the request ends (`ctx.estimated_tokens` for estimates), or
   with `admission.NOT_ADMITTED` when a later check or the server's bound (503) refused the request.
 - `on_admitted`: `hook(ctx)` once the request is admitted (journal it as begun).
+- `on_progress`: `hook(ctx, usage)` as a stream hands tokens to its client (usage so far; must
+  not block: it runs on the event loop).
 - `inflight.on_request_finished`: `hook(ctx, finals)` once per request when all its engine requests
   ended, aborted and failed ones included; bill `api.context.compute_usage(finals, n=ctx.n)`.
 - `engine.on_finished`: every finished engine request (`inflight.get(out.request_id)` -> context).
@@ -31,9 +33,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from adapters.types import AdapterSummary, BaseModelShapes
 from adapters.validation import validate_adapter
+from api.adapter_fetch import AdapterFetch
 from api.admission import Admission, InFlight, Release
 from api.blocking import BlockingPools, Probe, UploadGate
-from api.context import RequestContext
+from api.context import RequestContext, Usage
 from api.keyfiles import tenant_cache_salt
 from api.metering import UsageMeter
 from api.metrics import Metrics
@@ -74,6 +77,7 @@ class AppState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     admission_checks: list[AdmissionCheck] = field(default_factory=list)
     on_admitted: list[Callable[[RequestContext], None]] = field(default_factory=list)
+    on_progress: list[Callable[[RequestContext, Usage], None]] = field(default_factory=list)
     on_drain: list[Callable[[], Any]] = field(default_factory=list)  # sync or async; run once
     demo: DemoInfo | None = None
     # Issue 7, set by api.metering_service.install: usage meter, Prometheus metrics, rate limits.
@@ -81,6 +85,7 @@ class AppState:
     metrics: Metrics | None = None
     quotas: QuotaLimiter | None = None
     admin_key_created: bool = False
+    adapter_fetch: AdapterFetch | None = None  # the engine's fetch; knows store outages (503)
     # Issue 13, built in __post_init__: own thread pools, the upload bound and limits, /ready probes.
     pools: BlockingPools = field(init=False)
     upload_gate: UploadGate = field(init=False)

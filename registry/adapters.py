@@ -29,6 +29,7 @@ from registry.types import CONFIG_FILE, WEIGHTS_FILE, AdapterVersionInfo
 logger = logging.getLogger(__name__)
 
 _MAX_VERSION_TRIES = 10
+MAX_VERSION = 2**31 - 1  # the column is an INTEGER: larger numbers name no version (and would not bind)
 
 
 def register_adapter_version(
@@ -135,8 +136,8 @@ def parse_model(model: str) -> tuple[str, int | None]:
     name, at, version = model.partition("@")
     if not at:
         return name, None
-    if not version.isdigit() or int(version) < 1:
-        raise ValueError(f"adapter version must be a positive integer in {model!r}")
+    if not (version.isascii() and version.isdigit()) or not 1 <= int(version) <= MAX_VERSION:
+        raise ValueError(f"adapter version must be an integer in [1, {MAX_VERSION}] in {model!r}")
     return name, int(version)
 
 

@@ -28,6 +28,16 @@ def parse_source(source: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
+# The largest value each quota's column holds (INTEGER, and BIGINT for bytes, on PostgreSQL).
+QUOTA_MAX: dict[str, int] = {
+    "rpm": 2**31 - 1,
+    "tpm": 2**31 - 1,
+    "max_concurrent": 2**31 - 1,
+    "max_adapters": 2**31 - 1,
+    "max_adapter_bytes": 2**63 - 1,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class TenantQuotas:
     """Per-tenant limits; None means "the server default" (api/settings.py)."""
@@ -39,10 +49,10 @@ class TenantQuotas:
     max_adapter_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("rpm", "tpm", "max_concurrent", "max_adapters", "max_adapter_bytes"):
+        for name, maximum in QUOTA_MAX.items():
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"quota {name} must be >= 0 or None, got {value}")
+            if value is not None and not 0 <= value <= maximum:
+                raise ValueError(f"quota {name} must be in [0, {maximum}] or None, got {value}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,8 +178,9 @@ def export_usage(
         raise ValueError(f"limit must be >= 1, got {limit}")
     after = 0
     if cursor:
-        if not cursor.isdigit():
-            raise ValueError(f"cursor must be one returned by export_usage, got {cursor!r}")
+        # Row ids are BIGINT: a longer number (or a non-ASCII digit) was never handed out as a cursor.
+        if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 19 and int(cursor) < 2**63):
+            raise ValueError(f"cursor must be one returned by export_usage, got {cursor[:40]!r}")
         after = int(cursor)
     query = _in_range(select(UsageRow).where(UsageRow.id > after), tenant_id, start, end)
     rows = list(session.scalars(query.order_by(UsageRow.id).limit(limit)))

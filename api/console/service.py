@@ -18,7 +18,7 @@ from api.state import AppState
 from registry.adapters import delete_adapter
 from registry.audit import record_audit
 from registry.errors import RegistryError
-from registry.types import TenantQuotas
+from registry.types import QUOTA_MAX, TenantQuotas
 
 logger = logging.getLogger(__name__)
 QUOTA_FIELDS = ("rpm", "tpm", "max_concurrent", "max_adapters", "max_adapter_bytes")
@@ -32,8 +32,12 @@ def parse_quotas(form: dict[str, str]) -> TenantQuotas:
         if not raw:
             values[name] = None
             continue
-        if not raw.isdigit():
-            raise APIError(400, f"quota {name} must be a whole number >= 0 or blank, got {raw!r}", param=name)
+        if not (raw.isascii() and raw.isdigit()) or int(raw) > QUOTA_MAX[name]:
+            raise APIError(
+                400,
+                f"quota {name} must be a whole number in [0, {QUOTA_MAX[name]}] or blank, got {raw!r}",
+                param=name,
+            )
         values[name] = int(raw)
     return TenantQuotas(**values)
 

@@ -8,28 +8,30 @@ from fastapi import APIRouter, Query, Request
 
 from api import adapter_service
 from api.deps import SessionDep, StateDep, TenantDep
+from api.errors import responses
+from registry.adapters import MAX_VERSION
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, responses=responses(400, 401, 404, 409, 413, 429))
 async def upload(request: Request, state: StateDep, caller: TenantDep) -> dict[str, Any]:
     return await adapter_service.upload_adapter(state=state, request=request, caller=caller)
 
 
-@router.get("")
+@router.get("", responses=responses(401))
 def list_adapters(state: StateDep, session: SessionDep, caller: TenantDep) -> dict[str, Any]:
     data = adapter_service.list_own_adapters(state=state, session=session, caller=caller)
     return {"object": "list", "data": data}
 
 
-@router.get("/{name}")
+@router.get("/{name}", responses=responses(401, 404))
 def get_adapter(name: str, state: StateDep, session: SessionDep, caller: TenantDep) -> dict[str, Any]:
     return adapter_service.get_own_adapter(state=state, session=session, caller=caller, name=name)
 
 
-@router.delete("/{name}")
+@router.delete("/{name}", responses=responses(400, 401, 404))
 def delete_adapter(
-    name: str, session: SessionDep, caller: TenantDep, version: int | None = Query(None, ge=1)
+    name: str, session: SessionDep, caller: TenantDep, version: int | None = Query(None, ge=1, le=MAX_VERSION)
 ) -> dict[str, Any]:
     return adapter_service.delete_own_adapter(session=session, caller=caller, name=name, version=version)

@@ -2,29 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api import admin_service as svc
 from api.deps import AdminDep, SessionDep, StateDep
+from api.errors import responses
+from registry.adapters import MAX_VERSION
 from registry.models import TenantStatus
-from registry.types import TenantQuotas
+from registry.types import QUOTA_MAX, TenantQuotas
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
+MAX_AUDIT_ID = 2**31 - 1  # the column's limit: a larger `before_id` is a 400, never a database error
 
 
 class Quotas(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    rpm: int | None = Field(None, ge=0)
-    tpm: int | None = Field(None, ge=0)
-    max_concurrent: int | None = Field(None, ge=0)
-    max_adapters: int | None = Field(None, ge=0)
-    max_adapter_bytes: int | None = Field(None, ge=0)
+    rpm: int | None = Field(None, ge=0, le=QUOTA_MAX["rpm"])
+    tpm: int | None = Field(None, ge=0, le=QUOTA_MAX["tpm"])
+    max_concurrent: int | None = Field(None, ge=0, le=QUOTA_MAX["max_concurrent"])
+    max_adapters: int | None = Field(None, ge=0, le=QUOTA_MAX["max_adapters"])
+    max_adapter_bytes: int | None = Field(None, ge=0, le=QUOTA_MAX["max_adapter_bytes"])
 
     def to_registry(self) -> TenantQuotas:
         return TenantQuotas(**self.model_dump())
+
+
+VersionQuery = Annotated[int | None, Query(ge=1, le=MAX_VERSION)]
 
 
 class NewTenant(BaseModel):
@@ -35,97 +41,97 @@ class NewTenant(BaseModel):
 
 class NewKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    label: str | None = None
+    label: str | None = Field(None, max_length=64)  # the column's width
 
 
 def _list(data: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-@router.post("/tenants", status_code=201)
+@router.post("/tenants", status_code=201, responses=responses(400, 401, 409))
 def create_tenant(body: NewTenant, _: AdminDep, session: SessionDep) -> dict[str, Any]:
     quotas = body.quotas.to_registry() if body.quotas else None
     return svc.create(session, name=body.name, quotas=quotas)
 
 
-@router.get("/tenants")
+@router.get("/tenants", responses=responses(401))
 def list_tenants(_: AdminDep, session: SessionDep) -> dict[str, Any]:
     return _list(svc.tenants(session))
 
 
-@router.get("/tenants/{tenant_id}")
+@router.get("/tenants/{tenant_id}", responses=responses(401, 404))
 def get_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
     return svc.tenant(session, tenant_id=tenant_id)
 
 
-@router.post("/tenants/{tenant_id}/suspend")
+@router.post("/tenants/{tenant_id}/suspend", responses=responses(401, 404))
 def suspend_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
     return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.SUSPENDED)
 
 
-@router.post("/tenants/{tenant_id}/activate")
+@router.post("/tenants/{tenant_id}/activate", responses=responses(401, 404))
 def activate_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
     return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.ACTIVE)
 
 
-@router.delete("/tenants/{tenant_id}")
+@router.delete("/tenants/{tenant_id}", responses=responses(401, 404))
 def delete_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
     return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.DELETED)
 
 
-@router.put("/tenants/{tenant_id}/quotas")
+@router.put("/tenants/{tenant_id}/quotas", responses=responses(400, 401, 404))
 def set_quotas(tenant_id: str, body: Quotas, _: AdminDep, session: SessionDep) -> dict[str, Any]:
     return svc.set_quotas(session, tenant_id=tenant_id, quotas=body.to_registry())
 
 
-@router.post("/tenants/{tenant_id}/keys", status_code=201)
+@router.post("/tenants/{tenant_id}/keys", status_code=201, responses=responses(400, 401, 404, 409))
 def issue_key(tenant_id: str, _: AdminDep, session: SessionDep, body: NewKey | None = None) -> dict[str, Any]:
     return svc.new_key(session, tenant_id=tenant_id, label=body.label if body else None)
 
 
-@router.get("/tenants/{tenant_id}/keys")
+@router.get("/tenants/{tenant_id}/keys", responses=responses(401, 404))
 def list_keys(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
     return _list(svc.keys(session, tenant_id=tenant_id))
 
 
-@router.delete("/tenants/{tenant_id}/keys/{prefix}")
+@router.delete("/tenants/{tenant_id}/keys/{prefix}", responses=responses(401, 404))
 def revoke_key(tenant_id: str, prefix: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
     return svc.revoke(session, tenant_id=tenant_id, prefix=prefix)
 
 
-@router.get("/adapters")
+@router.get("/adapters", responses=responses(401))
 def list_adapters(
     _: AdminDep, state: StateDep, session: SessionDep, tenant_id: str | None = None
 ) -> dict[str, Any]:
     return _list(svc.all_adapters(state, session, tenant_id=tenant_id))
 
 
-@router.post("/tenants/{tenant_id}/adapters/{name}/pin")
+@router.post("/tenants/{tenant_id}/adapters/{name}/pin", responses=responses(400, 401, 404, 409))
 async def pin_adapter(
-    tenant_id: str, name: str, _: AdminDep, state: StateDep, session: SessionDep, version: int | None = None
+    tenant_id: str, name: str, _: AdminDep, state: StateDep, session: SessionDep, version: VersionQuery = None
 ) -> dict[str, Any]:
     return await svc.pin(state, session, tenant_id=tenant_id, name=name, version=version, is_pin=True)
 
 
-@router.post("/tenants/{tenant_id}/adapters/{name}/unpin")
+@router.post("/tenants/{tenant_id}/adapters/{name}/unpin", responses=responses(400, 401, 404, 409))
 async def unpin_adapter(
-    tenant_id: str, name: str, _: AdminDep, state: StateDep, session: SessionDep, version: int | None = None
+    tenant_id: str, name: str, _: AdminDep, state: StateDep, session: SessionDep, version: VersionQuery = None
 ) -> dict[str, Any]:
     return await svc.pin(state, session, tenant_id=tenant_id, name=name, version=version, is_pin=False)
 
 
-@router.get("/audit")
+@router.get("/audit", responses=responses(400, 401))
 def audit(
     _: AdminDep,
     session: SessionDep,
     tenant_id: str | None = None,
     limit: int = Query(100, ge=1, le=1000),
-    before_id: int | None = None,
+    before_id: int | None = Query(None, ge=0, le=MAX_AUDIT_ID),
 ) -> dict[str, Any]:
     return _list(svc.audit(session, tenant_id=tenant_id, limit=limit, before_id=before_id))
 
 
-@router.get("/engine")
+@router.get("/engine", responses=responses(401))
 def engine(_: AdminDep, state: StateDep) -> dict[str, Any]:
     """Live engine statistics (KV blocks in use, queue depths, prefix-cache counters, adapter cache)."""
     return svc.engine_stats(state)

@@ -15,12 +15,12 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from api.deps import StateDep
-from api.errors import APIError
+from api.errors import APIError, responses
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health", response_model=None)
+@router.get("/health", response_model=None, responses=responses())
 async def health(state: StateDep) -> dict[str, Any] | JSONResponse:
     """Liveness: the process answers HTTP and its engine thread is alive and not failing every step
     (a dead engine cannot recover by itself: the orchestrator should restart the process)."""
@@ -29,7 +29,7 @@ async def health(state: StateDep) -> dict[str, Any] | JSONResponse:
     return {"status": "ok"}
 
 
-@router.get("/ready", response_model=None)
+@router.get("/ready", response_model=None, responses=responses())
 async def ready(state: StateDep) -> dict[str, Any] | JSONResponse:
     """Readiness, with every dependency reported under `checks`: 503 (naming what is not ready) while
     draining, when the engine is not running or the database does not answer within

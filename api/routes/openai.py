@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from api.deps import SessionDep, StateDep, TenantDep
-from api.errors import model_not_found
+from api.errors import model_not_found, responses
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.responses import create_completion
 from api.state import AppState
@@ -16,7 +16,7 @@ from registry.adapters import list_adapters
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-@router.post("/completions")
+@router.post("/completions", responses=responses(400, 401, 404, 429, 504))
 async def completions(
     body: CompletionRequest, request: Request, state: StateDep, session: SessionDep, caller: TenantDep
 ) -> Response:
@@ -25,7 +25,7 @@ async def completions(
     )
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=responses(400, 401, 404, 429, 504))
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, session: SessionDep, caller: TenantDep
 ) -> Response:
@@ -67,12 +67,12 @@ def model_cards(*, state: AppState, session: SessionDep, caller: TenantDep) -> l
     return cards
 
 
-@router.get("/models")
+@router.get("/models", responses=responses(401))
 def models(state: StateDep, session: SessionDep, caller: TenantDep) -> dict[str, Any]:
     return {"object": "list", "data": model_cards(state=state, session=session, caller=caller)}
 
 
-@router.get("/models/{model:path}")
+@router.get("/models/{model:path}", responses=responses(401, 404))
 def model(model: str, state: StateDep, session: SessionDep, caller: TenantDep) -> dict[str, Any]:
     for card in model_cards(state=state, session=session, caller=caller):
         if card["id"] == model:

@@ -6,7 +6,8 @@
 - `GET /admin/api/usage/export` (admin key): raw records as CloudEvents 1.0 JSON lines (`id` = request
   id, so any billing system can dedupe), resumable: pass `X-Next-Cursor` back as `cursor`.
 - `GET /metrics`: Prometheus text format, unauthenticated as scrapers expect (bind the server to a
-  private interface in production).
+  private interface in production); no tenant names or ids unless `metrics_tenant_labels` is set or
+  the scrape sends `Authorization: Bearer <metrics_token>` (api/metrics.py).
 Every usage read flushes the meter first, so it includes each request that finished before it.
 Times are ISO 8601 (a date means midnight UTC; no zone means UTC) or Unix seconds; [start, end).
 """
@@ -14,21 +15,24 @@ Times are ISO 8601 (a date means midnight UTC; no zone means UTC) or Unix second
 from __future__ import annotations
 
 import csv
+import hmac
 import io
 import json
+import logging
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 from sqlalchemy.orm import Session
 
 from api.blocking import run_in
 from api.deps import AdminDep, SessionDep, StateDep, TenantDep
-from api.errors import APIError
+from api.errors import APIError, responses
 from api.metering_service import refresh_engine_metrics
 from api.state import AppState
 from registry.usage import GroupBy, UsageGroup, export_usage, to_cloudevent, usage_summary
 
+logger = logging.getLogger(__name__)
 router = APIRouter(tags=["usage"])
 COLUMNS = ("key", "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
 
@@ -38,7 +42,7 @@ def parse_time(value: str | None, param: str) -> datetime | None:
         return None
     try:
         parsed = datetime.fromtimestamp(float(value), UTC)
-    except ValueError:
+    except (ValueError, OverflowError, OSError):  # not a number, or no representable time (inf, 1e300)
         try:
             parsed = datetime.fromisoformat(value)
         except ValueError:
@@ -57,7 +61,8 @@ def flush_usage(state: AppState) -> None:
     try:
         state.meter.flush()
     except Exception as exc:  # noqa: BLE001 - a read must not pretend to be complete
-        message = f"usage records cannot be written now: {type(exc).__name__}"
+        logger.warning("usage flush before a read failed: %r", exc)
+        message = "usage records cannot be written now; retry later"
         raise APIError(503, message, code="usage_unavailable") from exc
 
 
@@ -65,7 +70,7 @@ def group_view(group: UsageGroup) -> dict[str, Any]:
     return {name: getattr(group, name) for name in COLUMNS}
 
 
-@router.get("/v1/usage")
+@router.get("/v1/usage", responses=responses(400, 401))
 def tenant_usage(
     state: StateDep,
     session: SessionDep,
@@ -104,7 +109,7 @@ def admin_summary(
     return groups
 
 
-@router.get("/admin/api/usage", response_model=None)
+@router.get("/admin/api/usage", response_model=None, responses=responses(400, 401))
 def all_usage(
     _: AdminDep,
     state: StateDep,
@@ -128,7 +133,7 @@ def all_usage(
     return Response(out.getvalue(), media_type="text/csv; charset=utf-8", headers=headers)
 
 
-@router.get("/admin/api/usage/export")
+@router.get("/admin/api/usage/export", responses=responses(400, 401))
 def export(
     _: AdminDep,
     state: StateDep,
@@ -159,15 +164,41 @@ def export(
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(state: StateDep) -> Response:
+async def metrics(request: Request, state: StateDep) -> Response:
     if state.metrics is None:
         raise APIError(404, "metrics are not enabled on this server", code="unknown_route")
     metrics = state.metrics
+    include_tenants = may_see_tenants(request, state)
 
     def render() -> tuple[bytes, str]:
         refresh_engine_metrics(state)  # the gauges as of this scrape, not of the last sampler tick
-        return metrics.render()
+        return metrics.render(include_tenants=include_tenants)
 
     # In the server's own small pool: never queued behind anyio's shared pool (issue 13).
     payload, content_type = await run_in(state.pools.ops, render)
     return Response(payload, media_type=content_type)
+
+
+def may_see_tenants(request: Request, state: AppState) -> bool:
+    """Per-tenant series: when the operator opted in, or for a scrape with the metrics token (or the
+    admin key). No key shows the anonymous series; a wrong one is 401, so a misconfigured scraper
+    fails loudly instead of silently losing series."""
+    if state.settings.metrics_tenant_labels:
+        return True
+    header = request.headers.get("authorization")
+    if header is None:
+        return False
+    scheme, _, token = header.partition(" ")
+    allowed = [state.admin_key]
+    if state.settings.metrics_token is not None:
+        allowed.append(state.settings.metrics_token.get_secret_value())
+    if scheme.lower() == "bearer" and any(
+        hmac.compare_digest(token.strip().encode(), key.encode()) for key in allowed
+    ):
+        return True
+    raise APIError(
+        401,
+        "Incorrect metrics token (send 'Authorization: Bearer <metrics token>', or no header).",
+        code="invalid_metrics_token",
+        headers={"WWW-Authenticate": "Bearer"},
+    )

@@ -225,7 +225,7 @@ def test_errors_are_openai_shaped(server: Server, key: str) -> None:
                 headers={**auth, "content-type": "application/json"},
                 content=b"{not json",
             ),
-            422,
+            400,
         ),  # fmt: skip
         (httpx.get(f"{server.base_url}/v1/models"), 401),
         (

@@ -151,7 +151,8 @@ def test_usage_api_equals_what_clients_received(server: Server, tmp_path: Path) 
 
 
 def metric_values(base_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    r = httpx.get(f"{base_url}/metrics", timeout=30)  # unauthenticated, as scrapers expect
+    # With a key (the admin key also serves as metrics token): the per-tenant series are included.
+    r = httpx.get(f"{base_url}/metrics", headers=_admin(), timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = list(text_string_to_metric_families(r.text))
     assert {f.name for f in families} >= set(ISSUE_NAMES)

@@ -1,0 +1,184 @@
+"""Issue 13: a dependency that is down is a retryable 503, never a 500, and says nothing about itself.
+
+Real servers whose PostgreSQL or S3 traffic goes through a TCP proxy the test cuts (tests/api/faults.py):
+during a PostgreSQL outage every request that needs the database is 503 + Retry-After and /ready is
+503 while /health and /metrics still answer; during an S3 outage a request for an adapter not yet
+loaded is 503 `adapter_unavailable` + Retry-After (streams too: before the 200), uploads are 503;
+after each outage the same requests succeed again. No body names a host, port, bucket, object key
+or tenant id.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from adapters.types import AdapterRef
+from registry.disk_cache import DiskTier
+from registry.errors import StoreUnavailable
+from registry.store import LocalStore, put_content
+from registry.types import make_source
+from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, _postgres_database, _s3_env, main_server_args
+from tests.api.faults import TcpProxy
+from tests.api.uploads import files_of, peft_adapter, upload
+
+BASE = "tiny-llama"
+
+
+def _admin() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
+        time.sleep(0.2)
+
+
+def assert_unavailable(r: httpx.Response, codes: set[str], secrets: list[str]) -> None:
+    assert r.status_code == 503, (r.request.method, r.request.url, r.status_code, r.text)
+    assert int(r.headers["retry-after"]) >= 1
+    error = r.json()["error"]
+    assert error["code"] in codes and error["type"] == "service_unavailable_error", error
+    leaked = [s for s in secrets if s in r.text] + re.findall(r"[a-z0-9+.-]+://|sha256/", r.text)
+    assert not leaked, (leaked, r.text)
+
+
+def test_postgres_outage_is_503_with_retry_after_then_recovers(
+    tiny_llama_dir: Path, tmp_path: Path, postgres_url: str
+) -> None:
+    direct = _postgres_database(postgres_url)
+    port = int(re.search(r"@127\.0\.0\.1:(\d+)/", direct).group(1))  # type: ignore[union-attr]
+    with TcpProxy("127.0.0.1", port) as proxy:
+        proxied = direct.replace(f"127.0.0.1:{port}/", f"{proxy.address}/")
+        args = main_server_args(tiny_llama_dir) + ["--db", proxied]
+        process = ServerProcess(args, tmp_path / "data", env={"LORASERVE_ADMIN_KEY": ADMIN_KEY}).start()
+        try:
+            base = process.base_url
+            tenant = httpx.post(f"{base}/admin/api/tenants", json={"name": "pg"}, headers=_admin()).json()
+            key, tenant_id = tenant["api_key"], tenant["id"]
+            adapter = files_of(peft_adapter(tmp_path / "adapter"))
+            server = Server(process, ADMIN_KEY, "postgres-proxied")
+            assert upload(server, key, "bot", adapter).status_code == 201
+            chat = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            completion = {"model": BASE, "prompt": "hi", "max_tokens": 2}
+            requests: list[tuple[str, str, dict[str, Any]]] = [
+                ("POST", "/v1/chat/completions", {"json": chat, "headers": _auth(key)}),
+                ("POST", "/v1/chat/completions", {"json": {**chat, "model": "bot"}, "headers": _auth(key)}),
+                ("POST", "/v1/completions", {"json": {**completion, "stream": True}, "headers": _auth(key)}),
+                ("GET", "/v1/models", {"headers": _auth(key)}),
+                ("GET", "/v1/adapters", {"headers": _auth(key)}),
+                ("GET", "/v1/usage", {"headers": _auth(key)}),
+                ("GET", "/admin/api/tenants", {"headers": _admin()}),
+                ("GET", f"/admin/api/tenants/{tenant_id}/keys", {"headers": _admin()}),
+                ("GET", "/admin/api/usage", {"headers": _admin()}),
+            ]
+            for method, path, kwargs in requests:
+                assert httpx.request(method, base + path, timeout=60, **kwargs).status_code == 200, path
+
+            proxy.cut()
+            secrets = [proxy.address, str(port), "postgres", "psycopg", tenant_id, str(process.data_dir)]
+            codes = {"database_unavailable", "usage_unavailable"}
+            for method, path, kwargs in requests:
+                assert_unavailable(httpx.request(method, base + path, timeout=60, **kwargs), codes, secrets)
+            r = upload(server, key, "bot2", adapter)
+            assert_unavailable(r, codes, secrets)
+            assert_unavailable(httpx.get(f"{base}/ready", timeout=30), {"not_ready"}, secrets)
+            assert httpx.get(f"{base}/health", timeout=30).status_code == 200  # liveness is not readiness
+            assert httpx.get(f"{base}/metrics", timeout=30).status_code == 200
+
+            proxy.restore()
+            wait_for(lambda: httpx.get(f"{base}/ready", timeout=30).status_code == 200, 60, "ready again")
+            for method, path, kwargs in requests:
+                assert httpx.request(method, base + path, timeout=60, **kwargs).status_code == 200, path
+        finally:
+            proxy.restore()
+            assert process.stop() == 0, process.log()[-3000:]
+
+
+def test_s3_outage_is_a_retryable_503_for_adapters_not_yet_loaded(
+    tiny_llama_dir: Path, tmp_path: Path, s3_server: str
+) -> None:
+    s3 = _s3_env(s3_server, tmp_path)
+    host, port = s3_server.removeprefix("http://").split(":")
+    with TcpProxy(host, int(port)) as proxy:
+        env = {k: v for k, v in s3.items() if k.startswith("AWS_")} | {
+            "AWS_ENDPOINT_URL": f"http://{proxy.address}",
+            "LORASERVE_ADMIN_KEY": ADMIN_KEY,
+        }
+        args = main_server_args(tiny_llama_dir) + ["--registry", f"s3://{s3['bucket']}/registry"]
+        process = ServerProcess(args, tmp_path / "data", env=env).start()
+        try:
+            base = process.base_url
+            tenant = httpx.post(f"{base}/admin/api/tenants", json={"name": "s3"}, headers=_admin()).json()
+            key, tenant_id = tenant["api_key"], tenant["id"]
+            server = Server(process, ADMIN_KEY, "s3-proxied")
+            files = files_of(peft_adapter(tmp_path / "adapter", seed=3))
+            assert upload(server, key, "cold", files).status_code == 201
+            cold = httpx.get(f"{base}/v1/adapters/cold", headers=_auth(key)).json()
+            assert cold["versions"][0]["residency"] == "store"  # not yet loaded anywhere
+
+            proxy.cut()
+            secrets = [proxy.address, s3_server, s3["bucket"], tenant_id, "registry/", str(process.data_dir)]
+            chat = {"model": "cold", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            url = f"{base}/v1/chat/completions"
+            r = httpx.post(url, json=chat, headers=_auth(key), timeout=120)
+            assert_unavailable(r, {"adapter_unavailable"}, secrets)
+            assert r.headers["x-request-id"].startswith("chatcmpl-")
+            r = httpx.post(url, json={**chat, "stream": True}, headers=_auth(key), timeout=120)
+            assert_unavailable(r, {"adapter_unavailable"}, secrets)  # a 503, not an error after a 200
+            other = files_of(peft_adapter(tmp_path / "other", seed=4))
+            assert_unavailable(upload(server, key, "new", other), {"store_unavailable"}, secrets)
+            r = httpx.post(url, json={**chat, "model": BASE}, headers=_auth(key), timeout=120)
+            assert r.status_code == 200  # the base model never needs the store
+
+            proxy.restore()
+
+            def served() -> bool:
+                r = httpx.post(url, json=chat, headers=_auth(key), timeout=120)
+                assert r.status_code in (200, 503), r.text
+                return r.status_code == 200
+
+            wait_for(served, 60, "the adapter served once S3 is back")
+        finally:
+            proxy.restore()
+            assert process.stop() == 0, process.log()[-3000:]
+
+
+def test_adapter_fetch_tells_an_unreachable_store_from_other_failures(tmp_path: Path) -> None:
+    from api.adapter_fetch import AdapterFetch, StoreUnreachable
+
+    store = LocalStore(tmp_path / "objects")
+    source = peft_adapter(tmp_path / "adapter")
+    config, weights = (
+        put_content(store, source / name) for name in ("adapter_config.json", "adapter_model.safetensors")
+    )
+    ref = AdapterRef(
+        id=f"{uuid.uuid4().hex}/bot@1", sha256=weights, source=make_source(config, weights), name="bot"
+    )
+    real_get = store.get
+
+    def down(key: str, dest: Path) -> None:
+        raise StoreUnavailable("cannot reach S3 endpoint http://10.1.2.3:9000 (get s3://bucket/sha256/...)")
+
+    store.get = down  # type: ignore[method-assign]
+    fetch = AdapterFetch(DiskTier(tmp_path / "disk", store))
+    with pytest.raises(StoreUnreachable) as info:
+        fetch(ref)
+    assert "10.1.2.3" not in str(info.value) and fetch.is_unreachable(ref.id)
+    store.get = real_get  # type: ignore[method-assign]
+    assert (fetch(ref) / "adapter_model.safetensors").is_file() and not fetch.is_unreachable(ref.id)
+    assert (tmp_path / "disk").stat().st_mode & 0o777 == 0o700
+    fetch.shutdown()
