@@ -116,6 +116,12 @@ def serve(
     options = dict(locals())
     settings = load_settings(**options)
     _setup_logging(settings.log_level)
+    from base_engine.engine import check_device
+
+    try:
+        check_device(settings.device)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from None
     from api.app import create_app
     from api.bootstrap import banner, build_state
     from api.server import run
