@@ -32,7 +32,7 @@ from api.deps import Caller
 from api.errors import APIError, from_registry_error
 from api.state import AppState
 from api.uploads import receive_adapter_upload
-from registry.adapters import delete_adapter, get_adapter, list_adapters, register_adapter_version
+from registry.adapters import Registration, delete_adapter, get_adapter, list_adapters, register_adapter
 from registry.audit import record_audit
 from registry.errors import RegistryError
 from registry.types import AdapterVersionInfo
@@ -88,9 +88,9 @@ def adapter_views(state: AppState, versions: list[AdapterVersionInfo]) -> list[d
     ]
 
 
-def _register(state: AppState, caller: Caller, name: str, files_dir: Path) -> AdapterVersionInfo:
+def _register(state: AppState, caller: Caller, name: str, files_dir: Path) -> Registration:
     with state.sessions() as session:
-        info = register_adapter_version(
+        registration = register_adapter(
             session,
             state.store,
             tenant_id=caller.tenant.id,
@@ -99,18 +99,19 @@ def _register(state: AppState, caller: Caller, name: str, files_dir: Path) -> Ad
             validate=state.validator(),
             base_model=state.model_name,
         )
+        info = registration.info
         record_audit(
             session,
             actor=caller.actor,
             action="adapter.upload",
             tenant_id=caller.tenant.id,
             target=f"{info.name}@{info.version}",
-            detail={"sha256": info.sha256, "size": info.size_bytes},
+            detail={"sha256": info.sha256, "size": info.size_bytes, "is_new": registration.is_new},
         )
-    return info
+    return registration
 
 
-def _register_in_worker(state: AppState, caller: Caller, name: str, files_dir: Path) -> AdapterVersionInfo:
+def _register_in_worker(state: AppState, caller: Caller, name: str, files_dir: Path) -> Registration:
     try:
         return _register(state, caller, name, files_dir)
     finally:
@@ -118,7 +119,8 @@ def _register_in_worker(state: AppState, caller: Caller, name: str, files_dir: P
             _malloc_trim(0)  # hand freed validation buffers back to the OS now, not at some later peak
 
 
-async def upload_adapter(*, state: AppState, request: Request, caller: Caller) -> dict[str, Any]:
+async def upload_adapter(*, state: AppState, request: Request, caller: Caller) -> tuple[dict[str, Any], bool]:
+    """The stored version's view and whether it is new (False: identical to the latest version)."""
     settings, gate = state.settings, state.upload_gate
     if not gate.try_enter():
         raise APIError(
@@ -129,7 +131,7 @@ async def upload_adapter(*, state: AppState, request: Request, caller: Caller) -
         )
     uploads = settings.data_dir / "uploads"
     tmp: Path | None = None
-    job: Future[AdapterVersionInfo] | None = None
+    job: Future[Registration] | None = None
     try:
         uploads.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=uploads))
@@ -142,7 +144,7 @@ async def upload_adapter(*, state: AppState, request: Request, caller: Caller) -
         result.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if nobody waits
         try:
             # shield: on timeout or disconnect only the wait ends; the worker finishes on its own.
-            info = await asyncio.wait_for(asyncio.shield(result), settings.upload_timeout_s)
+            registration = await asyncio.wait_for(asyncio.shield(result), settings.upload_timeout_s)
         except TimeoutError:
             logger.warning("adapter upload %r: no result after %.0f s", name, settings.upload_timeout_s)
             raise APIError(
@@ -160,7 +162,7 @@ async def upload_adapter(*, state: AppState, request: Request, caller: Caller) -
     finally:
         if job is None:  # never handed to a worker: clean up here
             _finish_upload(gate, tmp)
-    return version_view(state, info)
+    return version_view(state, registration.info), registration.is_new
 
 
 def _finish_upload(gate: UploadGate, tmp: Path | None) -> None:

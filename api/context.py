@@ -37,6 +37,7 @@ class RequestContext:
     model: str  # as the client named it
     adapter_name: str | None = None  # None = the base model
     adapter_version: int | None = None
+    user: str | None = None  # the request's OpenAI `user` (the tenant's end user), kept with its usage
     quotas: TenantQuotas = field(default_factory=TenantQuotas)  # the tenant's own (None = server default)
     num_prompts: int = 1
     n: int = 1  # choices per prompt

@@ -4,11 +4,18 @@
 Logprobs: completions use the legacy `{tokens, token_logprobs, top_logprobs, text_offset}` object,
 chat the `{content: [{token, logprob, bytes, top_logprobs: [...]}]}` list. The engine gives, per
 generated token, a dict with the chosen token first and then the top-N alternatives.
+
+Tokens that are part of a UTF-8 character (byte-level BPE pieces such as the first byte of "€", or
+`<0xE2>` byte-fallback pieces) decode alone to U+FFFD. Their `bytes` are the token's real bytes, and
+their token string is OpenAI's `bytes:\\xe2\\x82` form, so that two such tokens never share a key
+of a completions `top_logprobs` dict.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from typing import Any
 
 from api.context import RequestContext, Usage
@@ -29,34 +36,90 @@ def finish_reason(reason: str | None) -> str | None:
     return reason if reason in (None, "stop", "length", "tool_calls") else "stop"
 
 
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1)]
+    printable += range(ord("\u00ae"), ord("\u00ff") + 1)
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return False
+    return '"ByteLevel"' in decoder.__getstate__().decode("utf-8", "replace")
+
+
+def token_bytes(tokenizer: Any, token_id: int, is_byte_level: bool) -> bytes:
+    """The bytes token `token_id` adds to the output: its byte-level or byte-fallback piece undone,
+    else (special tokens, other vocabularies) its decoded text."""
+    if token_id not in tokenizer.added_tokens_decoder:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if is_byte_level and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            match = _BYTE_FALLBACK.fullmatch(piece)
+            if match:
+                return bytes([int(match.group(1), 16)])
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+def _token_text(text: str, raw: bytes) -> str:
+    """The token's text; `bytes:\\x..` when its bytes are not whole UTF-8 characters (OpenAI's form)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
+
+
 def _top(entries: dict[int, float], num_top: int) -> list[tuple[int, float]]:
     return sorted(entries.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
 
 
 class LogprobFormatter:
-    """Token strings via the tokenizer, cached per id (the same ids recur across steps)."""
+    """Token strings and bytes via the tokenizer, cached per id (the same ids recur across steps)."""
 
     def __init__(self, tokenizer: Any, num_top: int) -> None:
         self.tokenizer = tokenizer
         self.num_top = num_top
-        self._text: dict[int, str] = {}
+        self._is_byte_level = _is_byte_level(tokenizer)
+        self._text: dict[int, tuple[str, str, bytes]] = {}  # id -> (token string, decoded text, bytes)
+
+    def _lookup(self, token_id: int) -> tuple[str, str, bytes]:
+        if token_id not in self._text:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            raw = token_bytes(self.tokenizer, token_id, self._is_byte_level)
+            self._text[token_id] = (_token_text(text, raw), text, raw)
+        return self._text[token_id]
 
     def token(self, token_id: int) -> str:
-        if token_id not in self._text:
-            self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return self._text[token_id]
+        return self._lookup(token_id)[0]
 
     def completion(
         self, token_ids: list[int], logprobs: list[dict[int, float]], text_offset: int = 0
     ) -> dict[str, Any]:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        chars = codecs.getincrementaldecoder("utf-8")("replace")  # a character counts where it ends
         for token_id, entries in zip(token_ids, logprobs, strict=False):
-            text = self.token(token_id)
-            tokens.append(text)
+            token, _, raw = self._lookup(token_id)
+            tokens.append(token)
             token_logprobs.append(entries[token_id])
             top_logprobs.append({self.token(t): lp for t, lp in _top(entries, self.num_top)})
             offsets.append(text_offset)
-            text_offset += len(text)
+            text_offset += len(chars.decode(raw))
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -76,8 +139,8 @@ class LogprobFormatter:
         return {"content": content}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        token, _, raw = self._lookup(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(raw)}
 
 
 def response_body(ctx: RequestContext, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:

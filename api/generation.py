@@ -95,6 +95,7 @@ def plan_generation(
         model=body.model,
         adapter_name=adapter.name if adapter else None,
         adapter_version=adapter.version if adapter else None,
+        user=body.user,
         quotas=caller.tenant.quotas,
         num_prompts=len(prompts),
         n=n,

@@ -191,6 +191,7 @@ class UsageMeter:
         adapter_name: str | None = None,
         adapter_version: int | None = None,
         created_at: datetime | None = None,
+        user: str | None = None,
     ) -> None:
         """Journal an admitted request, so a crash before it finishes still bills its prompt."""
         req = InFlightRequest(
@@ -201,6 +202,7 @@ class UsageMeter:
             adapter_version=adapter_version,
             prompt_tokens=prompt_tokens,
             created_at=created_at or datetime.now(UTC),
+            user=user,
         )
         with self._lock:
             journal = self._require_started()

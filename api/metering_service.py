@@ -65,6 +65,13 @@ def install(state: AppState) -> None:
         max_model_len=state.max_model_len,
         tenant_labels=settings.metrics_tenant_labels,
     )
+    engine = state.engine.engine
+    state.metrics.set_cache_config(
+        block_size=engine.config.block_size,
+        num_gpu_blocks=engine.block_manager.num_blocks,
+        cache_dtype="auto",  # the KV cache has the model's dtype, vLLM's "auto"
+        enable_prefix_caching=engine.config.enable_prefix_caching,
+    )
     defaults = TenantQuotas(
         rpm=settings.default_rpm, tpm=settings.default_tpm, max_concurrent=settings.default_max_concurrent
     )
@@ -122,6 +129,7 @@ def begin_usage(state: AppState, ctx: RequestContext) -> None:
             adapter_name=ctx.adapter_name,
             adapter_version=ctx.adapter_version,
             created_at=ctx.created_at,
+            user=ctx.user,
         )
     except (OSError, RuntimeError, ValueError):  # the request is still billed when it finishes
         logger.exception("could not journal request %s", ctx.request_id)
@@ -157,6 +165,7 @@ def usage_record(ctx: RequestContext, finals: list[RequestOutput], *, finished_a
         total_time_s=max(0.0, (finished_at - ctx.created_at).total_seconds()),
         created_at=ctx.created_at,
         finished_at=finished_at,
+        user=ctx.user,
     )
 
 
@@ -170,6 +179,7 @@ def finish_usage(state: AppState, ctx: RequestContext, finals: list[RequestOutpu
     adapter = f"{ctx.adapter_name}@{ctx.adapter_version}" if ctx.adapter_name else None
     for out in finals:
         state.metrics.observe_finished(out, tenant=ctx.tenant_name, adapter=adapter)
+    state.metrics.observe_request(finals)
 
 
 class MetricsSampler:

@@ -14,6 +14,9 @@ opted in, or the scrape carried the metrics token). `vllm:lora_requests_info` na
 clients send them in `model` (vLLM's convention: the adapter's name, no tenant id); with
 `tenant_labels=True` it shows the engine's full ids (`<tenant id>/<name>@<version>`) instead.
 
+No `*_created` series: vLLM's dashboards never read them and they double a scrape's series
+(`disable_created_metrics`, process-wide, at import).
+
 Token counters count engine work: an HTTP request with n=2 runs its prompt twice and counts it
 twice here, while the usage API bills the prompt once (OpenAI's rule for `n`).
 """
@@ -24,7 +27,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.exposition import generate_latest
 
 from api.metrics_window import RecentStats
@@ -37,6 +47,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 OTHER_TENANT = "other"
+
+disable_created_metrics()
 
 
 def one_two_five_buckets(max_value: int) -> list[float]:
@@ -136,6 +148,16 @@ class Metrics:
         self.itl = histogram(
             "vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS
         )
+        self.tpot = histogram(  # the same gaps under vLLM's older name, which dashboards still read
+            "vllm:time_per_output_token_seconds",
+            "Time per output token in seconds. DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+            ITL_BUCKETS,
+        )
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", REQUEST_TIME_BUCKETS
         )
@@ -159,6 +181,17 @@ class Metrics:
             "vllm:request_generation_tokens",
             "Number of generation tokens processed per request.",
             token_buckets,
+        )
+        self.request_max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
+        self.cache_config_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["block_size", "cache_dtype", "enable_prefix_caching", "num_cpu_blocks", "num_gpu_blocks"],
+            registry=r,
         )
         self.lora_info = Gauge(
             "vllm:lora_requests_info",
@@ -240,7 +273,27 @@ class Metrics:
                 self.decode_time.observe(max(0.0, m.e2e_s - m.ttft_s))
                 for gap in m.inter_token_s:
                     self.itl.observe(gap)
+                    self.tpot.observe(gap)
+                # vLLM's per-request mean: decode time over the tokens after the first (0 for one token)
+                num_after_first = out.num_completion_tokens - 1
+                self.request_tpot.observe(
+                    max(0.0, m.e2e_s - m.ttft_s) / num_after_first if num_after_first > 0 else 0.0
+                )
         self.recent.observe(out, adapter=adapter)
+
+    def observe_request(self, finals: list[RequestOutput]) -> None:
+        """An HTTP request's end: the most tokens any of its choices generated (vLLM counts a request
+        with n choices, or a prompt list, once per prompt group; here once per HTTP request)."""
+        self.request_max_generation_tokens.observe(max((o.num_completion_tokens for o in finals), default=0))
+
+    def set_cache_config(
+        self, *, block_size: int, num_gpu_blocks: int, cache_dtype: str, enable_prefix_caching: bool
+    ) -> None:
+        """`vllm:cache_config_info` (value 1; the KV cache's configuration in its labels)."""
+        self.cache_config_info.clear()
+        self.cache_config_info.labels(
+            str(block_size), cache_dtype, str(enable_prefix_caching), "0", str(num_gpu_blocks)
+        ).set(1)
 
     def _tenant_label(self, tenant: str) -> str:
         if tenant in self._tenants:

@@ -17,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from registry.models import MAX_USER_CHARS
+
 MAX_LOGPROBS = 20  # vLLM's cap; OpenAI allows 5 (completions) and 20 (chat)
 
 
@@ -51,7 +53,7 @@ class _SamplingFields(_Strict):
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)  # stored with the usage record
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # vLLM extensions

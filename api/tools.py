@@ -158,6 +158,8 @@ def _template_id(call_id: str, fmt: ToolFormat | None) -> str:
 
 def _template_message(message: ChatMessage, fmt: ToolFormat | None) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name is not None:  # templates that know participants' names render it (OpenAI's `name`)
+        out["name"] = message.name
     if message.role == "assistant" and message.tool_calls:
         calls = []
         for call in message.tool_calls:

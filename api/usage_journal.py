@@ -38,6 +38,7 @@ class InFlightRequest:
     created_at: datetime
     completion_tokens: int = 0  # handed to the client so far (streams), over every choice
     cached_prompt_tokens: int = 0  # of the prompt tokens, served from the prefix cache
+    user: str | None = None  # the request's OpenAI `user`
 
     @property
     def progress(self) -> Progress:
@@ -70,6 +71,7 @@ class InFlightRequest:
             total_time_s=(finished_at - self.created_at).total_seconds(),
             created_at=self.created_at,
             finished_at=finished_at,
+            user=self.user,
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError as SAIntegrityError
@@ -32,6 +33,11 @@ _MAX_VERSION_TRIES = 10
 MAX_VERSION = 2**31 - 1  # the column is an INTEGER: larger numbers name no version (and would not bind)
 
 
+class Registration(NamedTuple):
+    info: AdapterVersionInfo
+    is_new: bool  # False: the name's latest ready version already holds these exact files
+
+
 def register_adapter_version(
     session: Session,
     store: ObjectStore,
@@ -42,15 +48,44 @@ def register_adapter_version(
     validate: Callable[[Path], AdapterSummary],
     base_model: str,
 ) -> AdapterVersionInfo:
+    """`register_adapter`'s version (new, or the identical latest one)."""
+    return register_adapter(
+        session,
+        store,
+        tenant_id=tenant_id,
+        name=name,
+        files_dir=files_dir,
+        validate=validate,
+        base_model=base_model,
+    ).info
+
+
+def register_adapter(
+    session: Session,
+    store: ObjectStore,
+    *,
+    tenant_id: str,
+    name: str,
+    files_dir: Path,
+    validate: Callable[[Path], AdapterSummary],
+    base_model: str,
+) -> Registration:
     """Validate the files, store them, then record the next version as ready to serve.
 
     `validate` is `adapters.validation.validate_adapter` with the served base model's shapes and
-    limits bound (functools.partial); its ValueError becomes InvalidAdapter.
-    Raises InvalidName, InvalidAdapter (validator's ValueError, missing files), NotFound (tenant not
-    active), QuotaExceeded, StoreUnavailable, IntegrityError (files changed during registration),
-    Conflict (lost the version race `_MAX_VERSION_TRIES` times).
+    limits bound (functools.partial); its ValueError becomes InvalidAdapter. Files byte-identical to
+    the name's latest ready version (same sha256 of config and weights) add no version: that version
+    is returned with `is_new=False`.
+    Raises InvalidName, Conflict (the name is the served base model's), InvalidAdapter (validator's
+    ValueError, missing files), NotFound (tenant not active), QuotaExceeded, StoreUnavailable,
+    IntegrityError (files changed during registration), Conflict (lost the version race
+    `_MAX_VERSION_TRIES` times).
     """
     check_name("adapter", name)
+    if name == base_model:  # `model` would name both; the base model always wins there
+        raise Conflict(
+            f"adapter name {name!r} is the name of the served base model; choose another adapter name"
+        )
     files_dir = Path(files_dir)
     try:
         summary = validate(files_dir)
@@ -59,6 +94,12 @@ def register_adapter_version(
     for filename in (CONFIG_FILE, WEIGHTS_FILE):  # the validator's messages come first
         if not (files_dir / filename).is_file():
             raise InvalidAdapter(f"upload has no {filename}; expected {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        same = _identical_latest(session, tenant_id=tenant_id, name=name, summary=summary)
+    finally:
+        session.rollback()
+    if same is not None:
+        return Registration(same, is_new=False)
     # Fail early, before any upload; checked again in the insert transaction. Ending the
     # transaction here means no lock or snapshot is held during the uploads.
     try:
@@ -102,8 +143,29 @@ def register_adapter_version(
             session.rollback()
             raise
         logger.info("registered adapter %s/%s@%d sha256=%s", tenant_id, name, row.version, weights_sha256)
-        return AdapterVersionInfo.from_row(row)
+        return Registration(AdapterVersionInfo.from_row(row), is_new=True)
     raise Conflict(f"adapter {name!r}: lost {_MAX_VERSION_TRIES} version races in a row; retry the upload")
+
+
+def _identical_latest(
+    session: Session, *, tenant_id: str, name: str, summary: AdapterSummary
+) -> AdapterVersionInfo | None:
+    """The name's latest ready version when it holds exactly these files (an active tenant's)."""
+    row = session.scalars(
+        select(AdapterVersion)
+        .join(Tenant, Tenant.id == AdapterVersion.tenant_id)
+        .where(
+            Tenant.status == TenantStatus.ACTIVE.value,
+            AdapterVersion.tenant_id == tenant_id,
+            AdapterVersion.name == name,
+            AdapterVersion.status == AdapterStatus.READY.value,
+        )
+        .order_by(AdapterVersion.version.desc())
+        .limit(1)
+    ).first()
+    if row is None or (row.sha256, row.config_sha256) != (summary.sha256, summary.config_sha256):
+        return None
+    return AdapterVersionInfo.from_row(row)
 
 
 def _next_version(session: Session, *, tenant_id: str, name: str) -> int:

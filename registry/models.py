@@ -28,6 +28,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+MAX_USER_CHARS = 256  # OpenAI's `user` field, kept with each usage record
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -161,6 +163,7 @@ class UsageRow(Base):
     total_time_s: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column()
     finished_at: Mapped[datetime] = mapped_column(index=True)
+    user: Mapped[str | None] = mapped_column(String(MAX_USER_CHARS))  # OpenAI `user`; NULL = not sent
 
 
 class AuditEntry(Base):

@@ -45,6 +45,7 @@ class UsageRecord:
     total_time_s: float
     created_at: datetime
     finished_at: datetime
+    user: str | None = None  # the request's OpenAI `user` (the tenant's own end-user id)
 
     def __post_init__(self) -> None:
         if not self.request_id:

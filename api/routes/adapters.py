@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 
 from api import adapter_service
 from api.deps import SessionDep, StateDep, TenantDep
@@ -15,8 +15,11 @@ router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
 
 
 @router.post("", status_code=201, responses=responses(400, 401, 404, 409, 413, 429))
-async def upload(request: Request, state: StateDep, caller: TenantDep) -> dict[str, Any]:
-    return await adapter_service.upload_adapter(state=state, request=request, caller=caller)
+async def upload(request: Request, response: Response, state: StateDep, caller: TenantDep) -> dict[str, Any]:
+    view, is_new = await adapter_service.upload_adapter(state=state, request=request, caller=caller)
+    if not is_new:  # byte-identical to the latest version: that version, nothing created
+        response.status_code = 200
+    return view
 
 
 @router.get("", responses=responses(401))

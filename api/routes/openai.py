@@ -51,7 +51,8 @@ def model_cards(*, state: AppState, session: SessionDep, caller: TenantDep) -> l
     cards = [_base_card(state)]
     latest: dict[str, Any] = {}
     for info in list_adapters(session, tenant_id=caller.tenant.id):
-        latest[info.name] = info  # ordered by version: the last one wins
+        if info.name != state.model_name:  # refused at upload now; `model` names the base model anyway
+            latest[info.name] = info  # ordered by version: the last one wins
     for name, info in latest.items():
         cards.append(
             {

@@ -36,6 +36,16 @@ def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def _other_weights(weights: bytes) -> bytes:
+    """The same tensors with one value changed (still a valid adapter, other bytes)."""
+    from safetensors.torch import load, save
+
+    tensors = load(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3
+    return save(tensors)
+
+
 def test_upload_returns_the_ready_version(server: Server, key: str, good_dir: Path) -> None:
     files = files_of(good_dir)
     r = upload(server, key, "bot", files)
@@ -45,7 +55,9 @@ def test_upload_returns_the_ready_version(server: Server, key: str, good_dir: Pa
     assert body["sha256"] == hashlib.sha256(files[WEIGHTS]).hexdigest()
     assert body["rank"] == 4 and body["modules"] == ["q_proj", "v_proj", "down_proj"]
     assert body["size"] == len(files[WEIGHTS])
-    second = upload(server, key, "bot", files).json()
+    same = upload(server, key, "bot", files)  # byte-identical: the existing version, nothing new
+    assert (same.status_code, same.json()["version"]) == (200, 1), same.text
+    second = upload(server, key, "bot", {**files, WEIGHTS: _other_weights(files[WEIGHTS])}).json()
     assert second["version"] == 2  # versions are per name and never reused
     listing = httpx.get(f"{server.base_url}/v1/adapters", headers=_auth(key)).json()
     assert listing["object"] == "list"
@@ -85,8 +97,9 @@ def test_adapter_is_served_by_name_and_version(server: Server, good_dir: Path) -
 
 
 def test_delete_one_version(server: Server, key: str, good_dir: Path) -> None:
-    for _ in range(2):
-        assert upload(server, key, "multi", files_of(good_dir)).status_code == 201
+    files = files_of(good_dir)
+    for weights in (files[WEIGHTS], _other_weights(files[WEIGHTS])):
+        assert upload(server, key, "multi", {**files, WEIGHTS: weights}).status_code == 201
     r = httpx.delete(f"{server.base_url}/v1/adapters/multi", params={"version": 1}, headers=_auth(key))
     assert r.status_code == 200 and r.json()["versions"] == [1]
     versions = httpx.get(f"{server.base_url}/v1/adapters/multi", headers=_auth(key)).json()["versions"]

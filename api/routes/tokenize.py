@@ -1,0 +1,31 @@
+"""vLLM's `/tokenize` and `/detokenize` (tenant key; `model` = the base model or the caller's adapter)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from api import tokenization
+from api.deps import SessionDep, StateDep, TenantDep
+from api.errors import responses
+from api.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+
+router = APIRouter(tags=["tokenize"])
+
+
+@router.post("/tokenize", responses=responses(400, 401, 404))
+def tokenize(
+    body: TokenizeCompletionRequest | TokenizeChatRequest,
+    state: StateDep,
+    session: SessionDep,
+    caller: TenantDep,
+) -> dict[str, Any]:
+    return tokenization.tokenize(state=state, session=session, caller=caller, body=body)
+
+
+@router.post("/detokenize", responses=responses(400, 401, 404))
+def detokenize(
+    body: DetokenizeRequest, state: StateDep, session: SessionDep, caller: TenantDep
+) -> dict[str, Any]:
+    return tokenization.detokenize(state=state, session=session, caller=caller, body=body)

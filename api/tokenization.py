@@ -1,0 +1,106 @@
+"""`/tokenize` and `/detokenize` as vLLM serves them (`vllm/entrypoints/openai/protocol.py`
+`TokenizeCompletionRequest`, `TokenizeChatRequest`, `DetokenizeRequest`).
+
+`model` is resolved exactly as for completions (the base model or the caller's own adapter; anything
+else is the same 404), so a tenant learns nothing here it could not learn from `/v1/models`. Adapters
+share the base model's tokenizer, so the tokens are the same for both. A chat is rendered by the
+same code as `/v1/chat/completions` (message `name`, tool calls and `tools` included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.orm import Session
+
+from api.deps import Caller
+from api.errors import APIError
+from api.generation import resolve_model
+from api.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
+from api.state import AppState
+from api.tools import plan_tools, template_messages, template_tools
+from base_engine.tokenizer import render_chat
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: str = Field(min_length=1)
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes BOS itself
+    return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str = Field(min_length=1)
+    tokens: list[int]
+
+
+def _token_ids(state: AppState, body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
+    tokenizer = state.tokenizer
+    if isinstance(body, TokenizeCompletionRequest):
+        return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+            code="invalid_value",
+        )
+    chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools)
+    tools = plan_tools(chat, tokenizer)
+    kwargs: dict[str, Any] = {"tools": template_tools(tools)} if tools is not None else {}
+    if body.continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        text = render_chat(
+            tokenizer,
+            template_messages(chat, tools),
+            add_generation_prompt=body.add_generation_prompt,
+            **kwargs,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+    return list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+
+
+def tokenize(
+    *,
+    state: AppState,
+    session: Session,
+    caller: Caller,
+    body: TokenizeCompletionRequest | TokenizeChatRequest,
+) -> dict[str, Any]:
+    resolve_model(state, session, caller, body.model)
+    ids = _token_ids(state, body)
+    strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(
+    *, state: AppState, session: Session, caller: Caller, body: DetokenizeRequest
+) -> dict[str, Any]:
+    resolve_model(state, session, caller, body.model)
+    vocab_size = state.engine.engine.model_config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(
+            400,
+            f"token ids must be in [0, {vocab_size}), got {bad[:5]}",
+            param="tokens",
+            code="invalid_value",
+        )
+    return {"prompt": state.tokenizer.decode(body.tokens)}
