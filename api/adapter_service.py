@@ -20,6 +20,7 @@ import ctypes.util
 import logging
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,36 @@ def _register_in_worker(state: AppState, caller: Caller, name: str, files_dir: P
 
 async def upload_adapter(*, state: AppState, request: Request, caller: Caller) -> tuple[dict[str, Any], bool]:
     """The stored version's view and whether it is new (False: identical to the latest version)."""
+
+    async def receive(tmp: Path) -> tuple[str, Callable[[], Registration]]:
+        name = await receive_adapter_upload(
+            request, tmp, max_bytes=state.upload_limits.body_bytes, executor=state.pools.uploads
+        )
+        return name, lambda: _register_in_worker(state, caller, name, tmp)
+
+    registration = await run_registration(state, receive, what="upload", on_error=_upload_error)
+    return version_view(state, registration.info), registration.is_new
+
+
+def _upload_error(exc: RegistryError) -> APIError:
+    error = from_registry_error(exc)
+    if error.status == 503:
+        error.headers.setdefault("Retry-After", str(UPLOAD_RETRY_AFTER_S))
+    return error
+
+
+async def run_registration(
+    state: AppState,
+    prepare: Callable[[Path], Awaitable[tuple[str, Callable[[], Registration]]]],
+    *,
+    what: str,
+    on_error: Callable[[RegistryError], APIError],
+) -> Registration:
+    """One upload-like registration (multipart upload, import by reference) in an upload slot:
+    429 when `max_concurrent_uploads` are running; `prepare(tmp)` fills a private temporary directory
+    and returns (name, the worker's job); the job runs in the upload pool, waited for at most
+    `upload_timeout_s` (504; the worker then finishes on its own), and the slot and the directory are
+    released whenever the worker ends."""
     settings, gate = state.settings, state.upload_gate
     if not gate.try_enter():
         raise APIError(
@@ -135,34 +166,28 @@ async def upload_adapter(*, state: AppState, request: Request, caller: Caller) -
     try:
         uploads.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=uploads))
-        name = await receive_adapter_upload(
-            request, tmp, max_bytes=state.upload_limits.body_bytes, executor=state.pools.uploads
-        )
-        job = state.pools.uploads.submit(_register_in_worker, state, caller, name, tmp)
+        name, work = await prepare(tmp)
+        job = state.pools.uploads.submit(work)
         job.add_done_callback(lambda _: _finish_upload(gate, tmp))  # whenever the worker ends
         result = asyncio.wrap_future(job)
         result.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if nobody waits
         try:
             # shield: on timeout or disconnect only the wait ends; the worker finishes on its own.
-            registration = await asyncio.wait_for(asyncio.shield(result), settings.upload_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(result), settings.upload_timeout_s)
         except TimeoutError:
-            logger.warning("adapter upload %r: no result after %.0f s", name, settings.upload_timeout_s)
+            logger.warning("adapter %s %r: no result after %.0f s", what, name, settings.upload_timeout_s)
             raise APIError(
                 504,
-                f"the upload was not stored within {settings.upload_timeout_s:g} s (the object store or "
+                f"the {what} was not stored within {settings.upload_timeout_s:g} s (the object store or "
                 "database is slow or unreachable); retry later",
                 code="upload_timeout",
                 headers={"Retry-After": str(UPLOAD_RETRY_AFTER_S)},
             ) from None
         except RegistryError as exc:
-            error = from_registry_error(exc)
-            if error.status == 503:
-                error.headers.setdefault("Retry-After", str(UPLOAD_RETRY_AFTER_S))
-            raise error from None
+            raise on_error(exc) from None
     finally:
         if job is None:  # never handed to a worker: clean up here
             _finish_upload(gate, tmp)
-    return version_view(state, registration.info), registration.is_new
 
 
 def _finish_upload(gate: UploadGate, tmp: Path | None) -> None:

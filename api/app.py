@@ -18,7 +18,7 @@ from fastapi.openapi.utils import get_openapi
 
 from api.console import install_console
 from api.errors import install_error_handlers
-from api.routes import adapters, admin, health, openai, tokenize, usage
+from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage
 from api.state import AppState
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
     app.state.loraserve = state
     install_error_handlers(app)
     routers = (openai.router, tokenize.router, adapters.router, admin.router, health.router, usage.router)
-    for router in (*routers, *extra_routers):
+    for router in (*routers, adapter_import.router, *extra_routers):
         app.include_router(router)
     install_console(app, state)  # the admin web console under /admin (api/console/README.md)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

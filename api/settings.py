@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     max_concurrent_uploads: int = Field(4, ge=1)  # received + validated + stored at once; more -> 429
     upload_timeout_s: float = Field(120.0, gt=0)  # validate + store + record one upload, else 504
     disk_cache_bytes: int = Field(4 << 30, ge=1)  # local adapter tier (registry.disk_cache.DiskTier)
+    # Adapters by reference (api/adapter_import.py): URI prefixes (`s3://bucket/prefix`, `file:///dir`)
+    # imports may read from; empty = imports refused. file:// prefixes count only with allow_file.
+    adapter_import_prefixes: list[str] = Field(default_factory=list)
+    adapter_import_allow_file: bool = False
 
     # Per-tenant rate limits used when a tenant has none of its own (None = unlimited; api/quotas.py).
     default_rpm: int | None = Field(None, ge=0)

@@ -130,6 +130,11 @@ class S3Store:
             return False
         return True
 
+    def size(self, key: str) -> int:
+        with self._errors("head", key):
+            head = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+        return int(head["ContentLength"])
+
     def delete(self, key: str) -> None:
         with self._errors("delete", key):
             self._client.delete_object(Bucket=self.bucket, Key=self._key(key))

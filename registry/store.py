@@ -43,6 +43,10 @@ class ObjectStore(Protocol):
 
     def exists(self, key: str) -> bool: ...
 
+    def size(self, key: str) -> int:
+        """Bytes in the object `key`, without downloading it; ObjectNotFound when missing."""
+        ...
+
     def delete(self, key: str) -> None:
         """Remove `key`; deleting a missing key is not an error."""
         ...
@@ -138,6 +142,12 @@ class LocalStore:
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        if not path.is_file():  # missing, or a directory, FIFO or device: never an object
+            raise ObjectNotFound(self.url, key)
+        return path.stat().st_size
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

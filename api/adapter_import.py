@@ -1,0 +1,145 @@
+"""Adapters by reference (issue 15): register an adapter from an object-store prefix, no multipart.
+
+`POST /v1/adapters/import` (tenant key) and `POST /admin/api/tenants/{id}/adapters/import` (admin key)
+take `{"name", "uri"}`; `uri` must pass api/import_sources.py (allowlist, never the registry). Then,
+like an upload (api/adapter_service.py) and under the same `max_concurrent_uploads` gate, pool and
+`upload_timeout_s`, a worker of the upload pool:
+1. opens the source with the registry's store opener (connect/read timeouts, bounded attempts);
+2. reads each object's size (HEAD) and refuses one past the upload limits with 413 before
+   downloading anything, then downloads both into a temporary directory (sizes checked again);
+3. registers them through the upload's own path (`adapter_service._register_in_worker`), so
+   fail-closed validation, quotas, the base-name refusal and identical-files dedupe all apply.
+Errors: a missing object is 400 naming it, an invalid adapter 400 `invalid_adapter` with the
+validator's cause (as for an upload: this API answers invalid input with 400, never 422), an
+unreachable store 503 + Retry-After; bodies never name the store's endpoint or the URI (api/errors.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from api.adapter_service import UPLOAD_RETRY_AFTER_S, _register_in_worker, run_registration, version_view
+from api.deps import Caller
+from api.errors import APIError, from_registry_error
+from api.import_sources import ImportSource, check_local_object, check_source
+from api.state import AppState
+from api.uploads import MAX_CONFIG_BYTES, UploadLimits
+from registry.adapters import Registration
+from registry.errors import NotFound, ObjectNotFound, RegistryError
+from registry.models import TenantStatus
+from registry.store import ObjectStore, open_store
+from registry.tenants import check_name, get_tenant
+from registry.types import CONFIG_FILE, WEIGHTS_FILE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AdminCaller(Caller):
+    """The admin acting for a tenant (audit actor "admin")."""
+
+    @property
+    def actor(self) -> str:
+        return "admin"
+
+
+async def import_adapter(
+    *, state: AppState, caller: Caller, name: str, uri: str
+) -> tuple[dict[str, Any], bool]:
+    """The registered version's view and whether it is new (False: identical to the latest version)."""
+    return await _import(state, lambda: caller, name, uri)
+
+
+async def import_adapter_for_tenant(
+    *, state: AppState, tenant_id: str, name: str, uri: str
+) -> tuple[dict[str, Any], bool]:
+    """`import_adapter` by the admin into `tenant_id` (404 for an unknown or deleted tenant)."""
+    return await _import(state, lambda: _admin_caller(state, tenant_id), name, uri)
+
+
+def _admin_caller(state: AppState, tenant_id: str) -> Caller:
+    with state.sessions() as session:
+        tenant = get_tenant(session, tenant_id=tenant_id)
+    if tenant.status != TenantStatus.ACTIVE.value:
+        raise NotFound("tenant", tenant_id)
+    return AdminCaller(tenant=tenant, key_prefix="")
+
+
+async def _import(
+    state: AppState, who: Callable[[], Caller], name: str, uri: str
+) -> tuple[dict[str, Any], bool]:
+    try:
+        check_name("adapter", name)  # before any download; registration checks it again
+    except RegistryError as exc:
+        raise from_registry_error(exc) from None
+    source = check_source(state.settings, uri)
+
+    async def prepare(tmp: Path) -> tuple[str, Callable[[], Registration]]:
+        return name, lambda: _import_in_worker(state, who, name, source, tmp)
+
+    registration = await run_registration(state, prepare, what="import", on_error=import_error)
+    return version_view(state, registration.info), registration.is_new
+
+
+def _import_in_worker(
+    state: AppState, who: Callable[[], Caller], name: str, source: ImportSource, tmp: Path
+) -> Registration:
+    caller = who()
+    settings = state.settings
+    if source.scheme == "file":  # again with symlinks resolved, now that we are off the event loop
+        source = check_source(settings, source.uri, resolve=True)
+        for key in (CONFIG_FILE, WEIGHTS_FILE):
+            check_local_object(source, key)
+    store = open_store(
+        source.uri,
+        max_attempts=settings.store_max_attempts,
+        connect_timeout_s=settings.store_connect_timeout_s,
+        read_timeout_s=settings.store_read_timeout_s,
+    )
+    download_adapter_files(store, tmp, state.upload_limits)
+    return _register_in_worker(state, caller, name, tmp)
+
+
+def download_adapter_files(store: ObjectStore, dest: Path, limits: UploadLimits) -> None:
+    """Both PEFT files of `store` into `dest`, each refused with 413 past the upload limits, by its
+    size before the download (and after it: the object may have been replaced in between)."""
+    caps = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: limits.weights_bytes}
+    sizes = {key: store.size(key) for key in caps}  # ObjectNotFound for a missing one
+    for key, cap in caps.items():
+        _check_size(key, sizes[key], cap)
+    if sum(sizes.values()) > limits.body_bytes:
+        raise _too_large("the adapter", sum(sizes.values()), limits.body_bytes)
+    for key, cap in caps.items():
+        store.get(key, dest / key)
+        _check_size(key, (dest / key).stat().st_size, cap)
+
+
+def _check_size(key: str, size: int, cap: int) -> None:
+    if size > cap:
+        raise _too_large(key, size, cap)
+
+
+def _too_large(what: str, size: int, cap: int) -> APIError:
+    return APIError(
+        413, f"{what} is {size} bytes, more than this server's limit of {cap} bytes", code="payload_too_large"
+    )
+
+
+def import_error(exc: RegistryError) -> APIError:
+    """The HTTP form of a registry error met while importing (see the module docstring)."""
+    if isinstance(exc, ObjectNotFound):
+        return APIError(
+            400,
+            f"the source has no object {exc.key}; expected {CONFIG_FILE} and {WEIGHTS_FILE} "
+            "directly under uri",
+            code="import_object_not_found",
+            param="uri",
+        )
+    error = from_registry_error(exc)  # InvalidAdapter: 400 with the cause; StoreUnavailable: 503, logged
+    if error.status == 503:
+        error.headers["Retry-After"] = str(UPLOAD_RETRY_AFTER_S)
+    return error

@@ -1,0 +1,48 @@
+"""Adapters by reference: `POST /v1/adapters/import` (tenant) and its admin twin (api/adapter_import.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from api import adapter_import
+from api.deps import AdminDep, StateDep, TenantDep
+from api.errors import ErrorResponse, responses
+
+router = APIRouter(tags=["adapters"])
+_STATUSES = {
+    **responses(400, 401, 404, 409, 413, 429, 504),
+    403: {"model": ErrorResponse, "description": "The uri is not under a prefix the operator allows"},
+}
+
+
+class ImportRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=256)
+    uri: str = Field(max_length=2048, description="s3://bucket/prefix holding the two PEFT files")
+
+
+@router.post("/v1/adapters/import", status_code=201, responses=_STATUSES)
+async def import_adapter(
+    body: ImportRequest, response: Response, state: StateDep, caller: TenantDep
+) -> dict[str, Any]:
+    view, is_new = await adapter_import.import_adapter(
+        state=state, caller=caller, name=body.name, uri=body.uri
+    )
+    if not is_new:  # byte-identical to the latest version: that version, nothing created
+        response.status_code = 200
+    return view
+
+
+@router.post("/admin/api/tenants/{tenant_id}/adapters/import", status_code=201, responses=_STATUSES)
+async def import_adapter_for_tenant(
+    tenant_id: str, body: ImportRequest, response: Response, state: StateDep, _: AdminDep
+) -> dict[str, Any]:
+    view, is_new = await adapter_import.import_adapter_for_tenant(
+        state=state, tenant_id=tenant_id, name=body.name, uri=body.uri
+    )
+    if not is_new:
+        response.status_code = 200
+    return view
