@@ -49,7 +49,7 @@ def ours_worker(spec: dict) -> None:
 
     from base_engine import LLM, SamplingParams
 
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 16)))
+    torch.set_num_threads(spec.get("ours_threads") or max(1, min(torch.get_num_threads(), 16)))
     llm = LLM(spec["model_dir"], max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024,
               max_model_len=MAX_MODEL_LEN, max_loras=NUM_ADAPTERS, max_cpu_loras=NUM_ADAPTERS,
               max_lora_rank=RANK)  # fmt: skip
@@ -179,6 +179,7 @@ def make_spec(model: str, suite: str, tmp: Path, num_requests: int) -> dict:
 
 def bench(model: str, suite: str, args: argparse.Namespace, tmp: Path) -> dict:
     spec = make_spec(model, suite, tmp, args.num_requests)
+    spec["ours_threads"] = args.ours_threads
     spec_path = tmp / f"spec-{model}-{suite}.json"
     spec_path.write_text(json.dumps(spec))
     me = str(Path(__file__).resolve())
@@ -212,6 +213,7 @@ def bench(model: str, suite: str, args: argparse.Namespace, tmp: Path) -> dict:
         variant = name.removeprefix("vllm_")
         result[f"vllm_{variant}_tok_s"] = round(best[name], 2)
         result[f"ratio_vs_{variant}"] = round(best["ours"] / best[name], 3)
+    result["ours_threads"] = args.ours_threads or os.cpu_count()
     result["load_s"] = {name: round(w.load_s, 1) for name, w in workers.items()}
     if suite == "lora":
         result |= {"num_adapters": NUM_ADAPTERS, "rank": RANK, "adapter_popularity": "zipf(1.0)"}
@@ -227,6 +229,12 @@ def main() -> None:
     parser.add_argument("--vllm", action="append", choices=["eager", "compiled"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument(
+        "--ours-threads",
+        type=int,
+        default=0,
+        help="torch threads of our engine [default: torch's, all cores]",
+    )
     parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per vLLM worker")
     parser.add_argument("--worker", choices=["ours", "vllm", "vllm-eager"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
