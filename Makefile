@@ -34,6 +34,11 @@ bench: setup
 serve: setup
 	$(BIN)/loraserve serve
 
+# Issue 13's reliability suite: real servers on 127.0.0.1, one JSON line per case, RELIABILITY.md.
+.PHONY: reliability
+reliability: setup system-deps
+	$(BIN)/python reliability/run.py
+
 clean:
 	rm -rf $(VENV) loraserve-data
 
