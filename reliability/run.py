@@ -2,12 +2,15 @@
 clients, one JSON line per case on stdout and a figures table in RELIABILITY.md.
 
 Cases: abort storm, hostile uploads (both backends), mixed load, kill -9 mid-load + restart,
-dependency outages (PostgreSQL restart, S3 stop and hang). Each case is bounded by timeouts; a case
-that fails to run prints a row with its error instead of figures. Run with `make reliability`.
+dependency outages (PostgreSQL restart, S3 stop and hang), schemathesis over /openapi.json. Each case is
+bounded by timeouts; a case that fails to run prints a row with its error instead of figures. Run with
+`make reliability`; `--cases schemathesis,outages` re-runs only those cases and keeps the other rows of
+RELIABILITY.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -567,28 +570,176 @@ def case_outages(model: Path, tmp: Path, pg_url: str, s3_server: str) -> tuple[d
         return figures, ["status_500"]
 
 
+# ---- 6. schemathesis over /openapi.json -------------------------------------------------------------
+
+ST_MAX_EXAMPLES = 20  # per operation and generation mode (positive, negative)
+ST_BUDGET_S = 180.0  # the whole case's request budget; operations not reached are counted, not hidden
+ST_REQUEST_TIMEOUT_S = 30.0
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + f"...(+{len(text) - limit})"
+
+
+def case_schemathesis(server: Server) -> tuple[dict[str, Any], list[str]]:
+    """Every operation of the served OpenAPI document, fuzzed with schemathesis (positive and negative
+    data, bounded examples, seeded): tenant routes with a tenant key, admin routes with the admin key.
+    Half the admin cases aim at a real throwaway tenant (the others at generated ids); DELETE operations
+    run last so a deleted tenant does not starve the rest. Responses >= 500 must be 0; schema-conformance
+    failures (status, content type, headers, body against the document) are reported, not gated."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.core.failures import FailureGroup
+    from schemathesis.specs.openapi.checks import ignored_auth
+
+    base = server.base_url
+    _, key = server.tenant("fuzz")
+    victim_id, _ = server.tenant("fuzz-victim")
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", config=schemathesis.Config())
+    operations = [r.ok() for r in schema.get_all_operations()]
+    operations.sort(key=lambda op: op.method.upper() == "DELETE")
+    log_path = server.process.log_path
+    deadline = time.monotonic() + ST_BUDGET_S
+    requests_sent = transport_errors = 0
+    statuses: dict[str, int] = {}
+    server_errors: list[dict[str, Any]] = []
+    conformance: dict[str, int] = {}
+    conformance_samples: list[str] = []
+    skipped_ops: set[str] = set()
+    no_negative: set[str] = set()
+    generation_errors: list[str] = []
+
+    def fuzz(op: Any, mode: Any, headers: dict[str, str]) -> None:
+        label, is_admin, seen = f"{op.method.upper()} {op.path}", op.path.startswith("/admin/"), [0]
+
+        @settings(
+            max_examples=ST_MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+            phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
+        )  # fmt: skip
+        @given(case=op.as_strategy(generation_mode=mode))
+        def one(case: schemathesis.Case) -> None:
+            nonlocal requests_sent, transport_errors
+            if time.monotonic() > deadline:
+                return
+            seen[0] += 1
+            if is_admin and "tenant_id" in (case.path_parameters or {}) and seen[0] % 2:
+                case.path_parameters["tenant_id"] = victim_id
+            log_at = log_path.stat().st_size if log_path.exists() else 0
+            try:
+                response = case.call(base_url=base, headers=headers, timeout=ST_REQUEST_TIMEOUT_S)
+            except Exception as exc:  # timeouts, resets: counted; /health checked at the end
+                transport_errors += 1
+                sys.stderr.write(f"schemathesis {label}: {type(exc).__name__}: {_short(str(exc))}\n")
+                return
+            requests_sent += 1
+            code = response.status_code
+            statuses[str(code)] = statuses.get(str(code), 0) + 1
+            if code >= 500:
+                time.sleep(0.2)  # the traceback reaches the log after the response
+                with open(log_path, "rb") as f:
+                    f.seek(log_at)
+                    log = f.read().decode(errors="replace")
+                server_errors.append({
+                    "operation": label, "status": code, "mode": mode.value,
+                    "path_parameters": case.path_parameters, "query": case.query,
+                    "body": _short(case.body, 2000), "response": _short(response.text, 500),
+                    "log": log[-6000:],
+                })  # fmt: skip
+                sys.stderr.write(f"schemathesis {code} on {label}: {case.as_curl_command()}\n{log}\n")
+            try:
+                case.validate_response(
+                    response, headers=headers, excluded_checks=[not_a_server_error, ignored_auth]
+                )
+            except (FailureGroup, Exception) as exc:  # FailureGroup is a BaseExceptionGroup
+                for failure in getattr(exc, "exceptions", [exc]):
+                    title = f"{label}: {getattr(failure, 'title', type(failure).__name__)}"
+                    conformance[title] = conformance.get(title, 0) + 1
+                    if len(conformance_samples) < 40 and conformance[title] == 1:
+                        conformance_samples.append(f"{title} ({code}): {_short(str(failure), 400)}")
+
+        try:
+            one()
+        except Unsatisfiable:  # negative data for an operation without parameters or body
+            no_negative.add(label)
+        except Exception as exc:  # the generator failed on this operation: reported, not hidden
+            generation_errors.append(f"{label} {mode.value}: {type(exc).__name__}: {_short(str(exc), 200)}")
+
+    for op in operations:
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            if time.monotonic() > deadline:
+                skipped_ops.add(f"{op.method.upper()} {op.path}")
+                continue
+            fuzz(op, mode, admin() if op.path.startswith("/admin/") else auth(key))
+
+    if conformance_samples:
+        sys.stderr.write("schemathesis conformance failures (first of each):\n")
+        sys.stderr.write("".join(f"  {line}\n" for line in conformance_samples))
+    for err in server_errors:
+        sys.stderr.write(json.dumps(err) + "\n")
+    healthy = httpx.get(f"{base}/health", timeout=10).status_code == 200
+    return {
+        "operations": len(operations),
+        "operations_not_reached": len(skipped_ops),
+        "max_examples": ST_MAX_EXAMPLES,
+        "requests": requests_sent,
+        "statuses": dict(sorted(statuses.items())),
+        "status_5xx": len(server_errors),
+        "server_errors": [
+            {k: e[k] for k in ("operation", "status", "path_parameters", "query", "body")}
+            for e in server_errors[:10]
+        ],
+        "transport_errors": transport_errors,
+        "no_negative_data": len(no_negative),
+        "generation_errors": generation_errors,
+        "conformance_failures": sum(conformance.values()),
+        "conformance_by_check": dict(sorted(conformance.items())),
+        "healthy_after": healthy,
+    }, ["status_5xx"]
+
+
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def write_report(path: Path, total_s: float) -> None:
+CASES = ("abort storm", "hostile uploads", "mixed load", "kill -9 + restart", "outages", "schemathesis")
+
+
+def _previous_rows(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of an earlier RELIABILITY.md (kept for the cases a `--cases` run leaves out)."""
+    if not path.exists():
+        return []
+    block = path.read_text().split("## JSON lines", 1)[-1]
+    return [json.loads(line) for line in block.splitlines() if line.startswith("{")]
+
+
+def write_report(path: Path, total_s: float, rerun: list[str] | None = None) -> None:
+    rows = ROWS
+    when = f"on {time.strftime('%Y-%m-%d')}: real"
+    if rerun is not None:  # other rows as the earlier run wrote them, in their order; re-run rows replace
+        fresh = {(r["case"], r["backend"]): r for r in ROWS}
+        rows = [fresh.pop((r["case"], r["backend"]), r) for r in _previous_rows(path)] + list(fresh.values())
+        when = f"(rows of {', '.join(rerun)} re-run with `--cases` on {time.strftime('%Y-%m-%d')}): real"
+        total_s = sum(r.get("seconds", 0) for r in rows)
     lines = [
         "# Reliability figures (issue 13)",
         "",
-        f"Written by `make reliability` (`reliability/run.py`) on {time.strftime('%Y-%m-%d')}: real "
+        f"Written by `make reliability` (`reliability/run.py`) {when} "
         f"`loraserve serve` processes on 127.0.0.1 with the tiny random Llama, {os.cpu_count()} CPUs, "
         f"{total_s:.0f} s in all. Each row's JSON line is below the table.",
         "",
         "| case | backend | figures | must be zero | ok |",
         "|---|---|---|---|---|",
     ]
-    for row in ROWS:
+    for row in rows:
         skip = {"case", "backend", "must_be_zero", "ok", "seconds"}
         figures = ", ".join(f"{k}={v}" for k, v in row.items() if k not in skip and not isinstance(v, dict))
         zero = ", ".join(f"{k}={v}" for k, v in row["must_be_zero"].items())
         lines.append(
             f"| {row['case']} | {row['backend']} | {figures} | {zero} | {'yes' if row['ok'] else 'NO'} |"
         )
-    outage = [r for r in ROWS if r["case"] == "outages" and "s3_stop" in r]
+    outage = [r for r in rows if r["case"] == "outages" and "s3_stop" in r]
     if outage:
         lines += ["", "## Outages: what kept serving (status, error code, latency during the outage)", ""]
         lines += ["| outage | " + " | ".join(outage[0]["s3_stop"]["during"]) + " | recovery s |"]
@@ -598,12 +749,21 @@ def write_report(path: Path, total_s: float) -> None:
             lines.append(
                 f"| {name} | " + " | ".join(during.values()) + f" | {outage[0][name]['recovery_s']} |"
             )
-    lines += ["", "## JSON lines", "", "```"] + [json.dumps(r) for r in ROWS] + ["```", ""]
+    lines += ["", "## JSON lines", "", "```"] + [json.dumps(r) for r in rows] + ["```", ""]
     path.write_text("\n".join(lines))
 
 
-def main() -> int:
-    from moto.server import ThreadedMotoServer
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--cases", help=f"comma-separated case names to run (default: all): {', '.join(CASES)}"
+    )
+    opts = parser.parse_args(argv)
+    selected = [c.strip() for c in opts.cases.split(",")] if opts.cases else list(CASES)
+    unknown = [c for c in selected if c not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    needs_pg = {"abort storm", "hostile uploads", "outages"} & set(selected)
 
     start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="loraserve-reliability-"))
@@ -612,12 +772,16 @@ def main() -> int:
         for name in ("storm", "hostile-l", "hostile-s", "load", "storm-s", "kill9", "outage"):
             (tmp / name).mkdir()
         model = save_random_checkpoint(tmp / "model", arch="llama")
-        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        moto.start()
-        stack.callback(moto.stop)
-        host, port = moto.get_host_and_port()
-        s3_server = f"http://{host}:{port}"
-        pg_url = _postgres_cluster(stack)
+        s3_server = pg_url = ""
+        if needs_pg:
+            from moto.server import ThreadedMotoServer
+
+            moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            moto.start()
+            stack.callback(moto.stop)
+            host, port = moto.get_host_and_port()
+            s3_server = f"http://{host}:{port}"
+            pg_url = _postgres_cluster(stack)
 
         def server(backend: str) -> Server:
             d = tmp / f"{backend}-{uuid.uuid4().hex[:6]}"
@@ -631,16 +795,34 @@ def main() -> int:
             stack.callback(process.stop)
             return Server(process, ADMIN_KEY, backend, s3)
 
-        sqlite = server("sqlite-local")
-        run_case("abort storm", "sqlite-local", lambda: case_abort_storm(sqlite, tmp / "storm"))
-        run_case("hostile uploads", "sqlite-local", lambda: case_hostile_uploads(sqlite, tmp / "hostile-l"))
-        pgs3 = server("postgres-s3")
-        run_case("hostile uploads", "postgres-s3", lambda: case_hostile_uploads(pgs3, tmp / "hostile-s"))
-        run_case("mixed load", "sqlite-local", lambda: case_load(sqlite, tmp / "load"))
-        run_case("abort storm", "postgres-s3", lambda: case_abort_storm(pgs3, tmp / "storm-s"))
-        run_case("kill -9 + restart", "sqlite-local", lambda: case_kill9(model, tmp / "kill9"))
-        run_case("outages", "postgres-s3", lambda: case_outages(model, tmp / "outage", pg_url, s3_server))
-    write_report(ROOT / "RELIABILITY.md", time.monotonic() - start)
+        def want(case: str) -> bool:
+            return case in selected
+
+        sqlite = (
+            server("sqlite-local")
+            if {"abort storm", "hostile uploads", "mixed load"} & set(selected)
+            else None
+        )
+        pgs3 = server("postgres-s3") if {"abort storm", "hostile uploads"} & set(selected) else None
+        if want("abort storm"):
+            run_case("abort storm", "sqlite-local", lambda: case_abort_storm(sqlite, tmp / "storm"))
+        if want("hostile uploads"):
+            run_case(
+                "hostile uploads", "sqlite-local", lambda: case_hostile_uploads(sqlite, tmp / "hostile-l")
+            )
+            run_case("hostile uploads", "postgres-s3", lambda: case_hostile_uploads(pgs3, tmp / "hostile-s"))
+        if want("mixed load"):
+            run_case("mixed load", "sqlite-local", lambda: case_load(sqlite, tmp / "load"))
+        if want("abort storm"):
+            run_case("abort storm", "postgres-s3", lambda: case_abort_storm(pgs3, tmp / "storm-s"))
+        if want("kill -9 + restart"):
+            run_case("kill -9 + restart", "sqlite-local", lambda: case_kill9(model, tmp / "kill9"))
+        if want("outages"):
+            run_case("outages", "postgres-s3", lambda: case_outages(model, tmp / "outage", pg_url, s3_server))
+        if want("schemathesis"):  # a server of its own: the fuzzer creates tenants, keys and deletes
+            run_case("schemathesis", "sqlite-local", lambda: case_schemathesis(server("sqlite-local")))
+    rerun = None if opts.cases is None else selected
+    write_report(ROOT / "RELIABILITY.md", time.monotonic() - start, rerun)
     return 0 if all(r["ok"] for r in ROWS) else 1
 
 
