@@ -136,8 +136,10 @@ class AdapterLoader:
         return failure.retry_at is not None and time.monotonic() >= failure.retry_at
 
     def _is_local_now(self, ref: AdapterRef, failure: LoadFailure) -> bool:
-        is_local = self.local_path is not None and self.local_path(ref) is not None
-        return failure.retry_at is not None and is_local
+        # Only a transient failure asks the disk (called from the engine thread: no stat for refusals).
+        if failure.retry_at is None or self.local_path is None:
+            return False
+        return self.local_path(ref) is not None
 
     def _record_failure(self, ref_id: str, exc: BaseException) -> str:
         message = f"adapter {ref_id!r} cannot be served: {exc}"
