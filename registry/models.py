@@ -178,3 +178,8 @@ class AuditEntry(Base):
     tenant_id: Mapped[str | None] = mapped_column(String(32), index=True)
     target: Mapped[str | None] = mapped_column(String(256))
     detail: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+# Tables of the fleet (issue 16) live in their own modules on the same metadata; importing them here
+# keeps `Base.metadata` whole for Alembic and `create_all`.
+from registry import fleet_models, fleet_state_models  # noqa: E402, F401
