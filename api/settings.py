@@ -85,6 +85,14 @@ class Settings(BaseSettings):
     fair_admission: bool = True
     admission_reserve: int | None = Field(None, ge=0)
 
+    # Scale-out (issue 16): this process is one replica of a fleet. The fleet's state (quotas, console
+    # sessions, usage export order, residency) lives in the database; migrations and secrets come from
+    # the deploy, never from a replica's start.
+    fleet: bool = False
+    replica_id: str | None = None  # None = "<hostname>-<pid>" in a fleet
+    # Reproducible answers (issue 18): every request runs batch-invariant, as `deterministic: true` asks.
+    deterministic: bool = False
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.max_cpu_loras < self.max_loras:
