@@ -163,6 +163,8 @@ class UsageRow(Base):
     total_time_s: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column()
     finished_at: Mapped[datetime] = mapped_column(index=True)
+    # What produced the answer (registry/provenance.py, issue 18); NULL = billed by an older server.
+    provenance: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     user: Mapped[str | None] = mapped_column(String(MAX_USER_CHARS))  # OpenAI `user`; NULL = not sent
 
 

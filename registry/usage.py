@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from registry.db import transactional
 from registry.models import UsageRow
+from registry.provenance import Provenance, coerce_provenance
 
 GroupBy = Literal["day", "adapter", "key", "tenant"]
 # Group key of requests served by the base model; adapter keys always contain "@".
@@ -46,8 +47,11 @@ class UsageRecord:
     created_at: datetime
     finished_at: datetime
     user: str | None = None  # the request's OpenAI `user` (the tenant's own end-user id)
+    provenance: Provenance | None = None  # what produced the answer (issue 18); None: written before it
 
     def __post_init__(self) -> None:
+        # Read back from the JSON column or the journal as a dict: the dataclass from here on.
+        object.__setattr__(self, "provenance", coerce_provenance(self.provenance))
         if not self.request_id:
             raise ValueError("usage record needs a non-empty request_id")
         for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens"):
