@@ -15,6 +15,7 @@ from api.adapter_fetch import AdapterFetch
 from api.admission import Admission
 from api.demo import ensure_demo_tenant
 from api.demo_traits import TRAITS
+from api.fleet_start import check_fleet_schema, check_fleet_settings, fleet_server_secret
 from api.keyfiles import (
     ADMIN_KEY_FILE,
     SERVER_SECRET_FILE,
@@ -38,9 +39,13 @@ logger = logging.getLogger(__name__)
 
 
 def build_state(settings: Settings) -> AppState:
+    check_fleet_settings(settings)  # a fleet replica: PostgreSQL + S3 + provided admin key, or refuse
     data_dir = make_private_dir(settings.data_dir)  # 0700: keys, database, journal, adapters
     make_private_database(settings.db_url)
-    upgrade(settings.db_url)
+    if settings.fleet:
+        check_fleet_schema(settings)  # migrations run once per deploy (`loraserve db upgrade`)
+    else:
+        upgrade(settings.db_url)
     sessions = session_factory(
         make_engine(
             settings.db_url,
@@ -63,7 +68,10 @@ def build_state(settings: Settings) -> AppState:
         admin_key, admin_created = settings.admin_key.get_secret_value(), False
     else:
         admin_key, admin_created = read_or_create_secret(data_dir / ADMIN_KEY_FILE, new_admin_key)
-    server_secret, _ = read_or_create_secret(data_dir / SERVER_SECRET_FILE, lambda: new_admin_key()[4:])
+    if settings.fleet:  # one secret for every replica, from the deploy's admin key; no file
+        server_secret = fleet_server_secret(admin_key)
+    else:
+        server_secret, _ = read_or_create_secret(data_dir / SERVER_SECRET_FILE, lambda: new_admin_key()[4:])
     engine = LLMEngine(
         model_dir,
         device=settings.device,

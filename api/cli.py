@@ -111,10 +111,25 @@ def serve(
     log_level: Annotated[
         str | None, typer.Option(help=f"debug | info | warning | error {_default('log_level')}")
     ] = None,
+    fleet: Annotated[
+        bool | None,
+        typer.Option(
+            "--fleet",
+            help="run as one replica of a fleet: PostgreSQL --db, s3:// --registry, LORASERVE_ADMIN_KEY "
+            "required; migrations only by `loraserve db upgrade` [default: a single process]",
+        ),
+    ] = None,
 ) -> None:
     """Serve the OpenAI-compatible API, adapter uploads and the admin API."""
     options = dict(locals())
     settings = load_settings(**options)
+    from api.fleet_start import FleetStartError, check_fleet_settings
+
+    try:
+        check_fleet_settings(settings)  # before any model is fetched or any file written
+    except FleetStartError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     _setup_logging(settings.log_level)
     from base_engine.engine import check_device
 
@@ -135,7 +150,11 @@ def serve(
     elif source.kind == "default":
         typer.echo(f"Serving the default model {source.served_name} (models kept in {settings.models_path})")
     os.umask(0o077)  # whatever the server writes is private to its user (api/keyfiles.py)
-    state = build_state(settings)
+    try:
+        state = build_state(settings)
+    except FleetStartError as exc:  # e.g. the shared database is not migrated
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(banner(state))
     run(create_app(state), state)
 

@@ -145,7 +145,10 @@ class UsageRow(Base):
     refused or cascaded away because of the tenant's later state."""
 
     __tablename__ = "usage_records"
-    __table_args__ = (Index("ix_usage_records_tenant_id_finished_at", "tenant_id", "finished_at"),)
+    __table_args__ = (
+        Index("ix_usage_records_tenant_id_finished_at", "tenant_id", "finished_at"),
+        Index("ix_usage_records_txid_id", "txid", "id"),
+    )
 
     # Export cursor order. BIGINT on PostgreSQL; SQLite needs exactly INTEGER for its rowid alias.
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
@@ -166,6 +169,9 @@ class UsageRow(Base):
     # What produced the answer (registry/provenance.py, issue 18); NULL = billed by an older server.
     provenance: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     user: Mapped[str | None] = mapped_column(String(MAX_USER_CHARS))  # OpenAI `user`; NULL = not sent
+    # PostgreSQL: the writing transaction's id (pg_current_xact_id), the commit-safe export order of
+    # registry/usage.py with several writers (issue 16); NULL on SQLite, whose one writer commits in id order.
+    txid: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class AuditEntry(Base):
