@@ -26,11 +26,13 @@ from api.keyfiles import (
 )
 from api.metering_service import install as install_metering
 from api.model_source import record_served_model
+from api.provenance import server_provenance
 from api.settings import Settings
 from api.state import AppState
 from base_engine.async_engine import AsyncEngine
 from base_engine.config import load_model_config
 from base_engine.engine import LLMEngine
+from base_engine.identity import describe_engine
 from registry.db import make_engine, session_factory, upgrade
 from registry.disk_cache import DiskTier
 from registry.store import open_store
@@ -97,6 +99,12 @@ def build_state(settings: Settings) -> AppState:
         ),
         admin_key_created=admin_created,
         adapter_fetch=adapter_fetch,
+        provenance=server_provenance(
+            model_dir=model_dir,
+            base_model=settings.model_name,
+            identity=describe_engine(engine),
+            cache_dir=data_dir,
+        ),
     )
     install_metering(state)  # quotas, usage meter (replays a crashed run's journal), metrics
     state.on_drain.append(adapter_fetch.shutdown)

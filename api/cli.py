@@ -111,6 +111,14 @@ def serve(
     log_level: Annotated[
         str | None, typer.Option(help=f"debug | info | warning | error {_default('log_level')}")
     ] = None,
+    deterministic: Annotated[
+        bool | None,
+        typer.Option(
+            "--deterministic",
+            help="run every request batch-invariant, as `deterministic: true` asks (a request's "
+            "`deterministic: false` is overruled) [default: per request]",
+        ),
+    ] = None,
     fleet: Annotated[
         bool | None,
         typer.Option(

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from base_engine.outputs import RequestOutput
 from registry.types import TenantQuotas
+from registry.provenance import Provenance
 
 RequestKind = Literal["completion", "chat"]
 ID_PREFIX: dict[RequestKind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
@@ -58,6 +59,7 @@ class RequestContext:
     @property
     def num_choices(self) -> int:
         return self.num_prompts * self.n
+    provenance: Provenance | None = None  # what produces the answer (api/provenance.py), set when planned
 
     def engine_request_id(self, index: int) -> str:
         return self.request_id if self.num_choices == 1 else f"{self.request_id}-{index}"

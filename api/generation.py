@@ -2,7 +2,8 @@
 
 1. `plan_generation` (sync, in a worker thread): resolve `model` (base or the caller's adapter, never
    another tenant's), tokenize, check parameters and context length, build one engine request per
-   choice (derived seeds for n > 1, the tenant's cache salt). Errors here are 4xx before any 200.
+   choice (derived seeds for n > 1, the tenant's cache salt), and its provenance (api/provenance.py:
+   a seed drawn when none was sent, `deterministic`). Errors here are 4xx before any 200.
 2. admission checks (quotas, issue 7) then `Admission.acquire` (bounded queue, 503 + Retry-After).
 3. `run_choices`: submit every engine request, merge their outputs, enforce the per-request timeout,
    and abort whatever is unfinished when the consumer goes away (disconnect, timeout, error).
@@ -23,11 +24,13 @@ from api.context import RequestContext, RequestKind, new_request_id
 from api.deps import Caller
 from api.errors import APIError, model_not_found
 from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.provenance import request_provenance
 from api.sampling import (
     check_stream_options,
     encode_chat_prompt,
     encode_completion_prompts,
     generation_defaults,
+    request_seed,
     sampling_params,
 )
 from api.state import AppState
@@ -101,6 +104,10 @@ def plan_generation(
         n=n,
         num_prompt_tokens=sum(len(p) for p in prompts),
     )
+    seed = request_seed(body)
+    deterministic = state.settings.deterministic or bool(body.deterministic)
+    if state.provenance is not None:
+        ctx.provenance = request_provenance(state.provenance, adapter, seed=seed, deterministic=deterministic)
     salt = state.cache_salt(caller.tenant.id)
     requests = []
     for p, prompt_ids in enumerate(prompts):
@@ -113,6 +120,8 @@ def plan_generation(
                 defaults=generation_defaults(engine.model_dir),
                 constraint=grammar.new_constraint() if grammar is not None else None,
                 keep_special_tokens=tools is not None and tools.keeps_special_tokens,
+                seed=seed,
+                deterministic=deterministic,
             )
             request = EngineRequest(
                 request_id=ctx.engine_request_id(p * n + j),

@@ -66,6 +66,7 @@ from api.usage_journal import (
     progress_line,
     replay,
 )
+from registry.provenance import Provenance
 from registry.usage import UsageRecord, write_usage
 
 logger = logging.getLogger(__name__)
@@ -192,6 +193,7 @@ class UsageMeter:
         adapter_version: int | None = None,
         created_at: datetime | None = None,
         user: str | None = None,
+        provenance: Provenance | None = None,
     ) -> None:
         """Journal an admitted request, so a crash before it finishes still bills its prompt."""
         req = InFlightRequest(
@@ -203,6 +205,7 @@ class UsageMeter:
             prompt_tokens=prompt_tokens,
             created_at=created_at or datetime.now(UTC),
             user=user,
+            provenance=provenance,
         )
         with self._lock:
             journal = self._require_started()

@@ -132,6 +132,7 @@ def begin_usage(state: AppState, ctx: RequestContext) -> None:
             user=ctx.user,
         )
     except (OSError, RuntimeError, ValueError):  # the request is still billed when it finishes
+            provenance=ctx.provenance,
         logger.exception("could not journal request %s", ctx.request_id)
 
 
@@ -168,6 +169,7 @@ def usage_record(ctx: RequestContext, finals: list[RequestOutput], *, finished_a
         user=ctx.user,
     )
 
+        provenance=ctx.provenance,
 
 def finish_usage(state: AppState, ctx: RequestContext, finals: list[RequestOutput]) -> None:
     """`inflight.on_request_finished`: bill the request once and count its engine requests."""

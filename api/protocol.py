@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints (openai/openai-openapi `CreateCompletionRequest`,
 `CreateChatCompletionRequest`) plus vLLM's sampling extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`).
+`include_stop_str_in_output`) and our `deterministic` (issue 18: batch-invariant, api/sampling.py).
 
 Unknown fields are refused (`extra="forbid"` -> 400 "Unrecognized request argument supplied: x"),
 as OpenAI does and vLLM does not. Fields OpenAI defines but this server does not implement are
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
 
 from registry.models import MAX_USER_CHARS
@@ -64,6 +64,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Batch-invariant execution (issue 18): true or false only ("yes", 1 -> 400 naming the field).
+    deterministic: StrictBool | None = None
     # OpenAI fields refused unless they have their no-op value
     logit_bias: dict[str, float] | None = None
 

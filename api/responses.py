@@ -6,7 +6,8 @@ with `choices: []` and the usage, then `data: [DONE]`. Once the 200 is out, a fa
 has ended (a shutdown's drain aborts them all; an engine error), an include_usage stream still gets
 its usage chunk first, so clients see what they are billed. Usage comes from the engine's final
 outputs through `api.context.compute_usage`, the rule metering also uses. As a stream hands tokens
-to its client it reports them to `on_progress` (the meter's crash bound, api/metering.py).
+to its client it reports them to `on_progress` (the meter's crash bound, api/metering.py). Every
+answer, streamed or not, carries `X-Loraserve-Provenance` (api/provenance.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from api import formatting as fmt
+from api import provenance
 from api.adapter_fetch import RETRY_AFTER_S as ADAPTER_RETRY_AFTER_S
 from api.adapter_fetch import StoreUnreachable
 from api.admission import NOT_ADMITTED, Ticket
@@ -85,7 +87,8 @@ async def create_completion(
     except APIError as exc:
         exc.headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers, **exc.headers}
         raise
-    headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers}
+    # Provenance is known at plan time: a stream sends it with its headers, before the first event.
+    headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers, **provenance.headers(ctx.provenance)}
     if plan.stream:
 
         def on_close() -> None:

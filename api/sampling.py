@@ -9,12 +9,21 @@ Sampling fields a request leaves out take the checkpoint's `generation_config.js
 does by default (`--generation-config auto`): temperature, top_p, top_k, min_p, repetition_penalty,
 each only where it differs from transformers' GenerationConfig default (vLLM reads the file's
 `to_diff_dict()`), then SamplingParams' own defaults.
+
+Seeds and `deterministic` (issue 18): every request runs with a seed; one that sends none gets one
+drawn by the server (63 bits, `request_seed`), reported in its provenance header, so any sampled
+answer can be replayed. The engine gives each seeded request its own generator (a few microseconds at
+admission; greedy rows never draw from it), so this costs nothing measurable. `deterministic: true`
+asks for batch-invariant kernels; a server started with `--deterministic` runs every request so, and
+a request's `deterministic: false` is then accepted and overruled (the header says `deterministic=?1`):
+nobody is harmed by an answer that is reproducible, and clients that always send the field keep working.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +68,11 @@ def derive_seed(seed: int | None, index: int) -> int | None:
     if seed is None or index == 0:
         return seed
     return (seed + index) % _SEED_SPAN
+
+
+def request_seed(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """The seed of the request's first choice: the one it sent, else a fresh 63-bit one."""
+    return body.seed if body.seed is not None else secrets.randbits(63)
 
 
 def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list[int]]:
@@ -144,8 +158,13 @@ def sampling_params(
     defaults: dict[str, float | int] | None = None,
     constraint: Any = None,
     keep_special_tokens: bool = False,
+    seed: int | None = None,
+    deterministic: bool = False,
 ) -> SamplingParams:
     """The engine's parameters for choice `index` of a prompt of `num_prompt` tokens.
+
+    `seed`: the request's seed (`request_seed`; None = the body's own); `deterministic`: the server
+    runs every request batch-invariant (`--deterministic`), whatever the body says.
 
     `defaults`: the checkpoint's sampling defaults (`generation_defaults`) for fields the body omits.
 
@@ -160,7 +179,7 @@ def sampling_params(
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty,
-        "seed": derive_seed(body.seed, index),
+        "seed": derive_seed(body.seed if seed is None else seed, index),
         "stop": body.stop,
         "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos,
@@ -168,6 +187,7 @@ def sampling_params(
         "skip_special_tokens": False if keep_special_tokens else body.skip_special_tokens,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "constraint": constraint,
+        "deterministic": deterministic or bool(body.deterministic),
     }
     for key, value in (defaults or {}).items():
         if options.get(key) is None:

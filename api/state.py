@@ -46,6 +46,7 @@ from api.uploads import UploadLimits, upload_limits
 from base_engine.async_engine import AsyncEngine
 from base_engine.engine import DTYPES
 from registry.disk_cache import DiskTier
+from registry.provenance import Provenance
 from registry.store import ObjectStore
 from registry.types import AdapterVersionInfo
 
@@ -86,6 +87,8 @@ class AppState:
     quotas: QuotaLimiter | None = None
     admin_key_created: bool = False
     adapter_fetch: AdapterFetch | None = None  # the engine's fetch; knows store outages (503)
+    # Issue 18: the process-wide half of every answer's provenance (api/provenance.py), read at start-up.
+    provenance: Provenance | None = None
     # Issue 13, built in __post_init__: own thread pools, the upload bound and limits, /ready probes.
     pools: BlockingPools = field(init=False)
     upload_gate: UploadGate = field(init=False)

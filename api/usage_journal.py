@@ -1,8 +1,8 @@
 """The usage meter's write-ahead journal: JSON lines, appended; compaction replaces the whole file.
 
 `{"op": "begin", request_id, tenant_id, key_prefix, adapter_name, adapter_version, prompt_tokens,
-created_at, completion_tokens, cached_prompt_tokens}` when a request is admitted (and, with the
-progress so far, when compaction rewrites the file); `{"op": "progress", request_id,
+created_at, completion_tokens, cached_prompt_tokens, user, provenance}` when a request is admitted
+(and, with the progress so far, when compaction rewrites the file); `{"op": "progress", request_id,
 completion_tokens, cached_prompt_tokens}` as a stream hands tokens to its client; `{"op": "finish",
 "record": {UsageRecord fields}}` when it ends. Times are ISO 8601 with their UTC offset. The reader
 does not depend on line order (the largest progress of a request counts, a finish overrides all).
@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
+from registry.provenance import Provenance, coerce_provenance
 from registry.usage import UsageRecord
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class InFlightRequest:
     completion_tokens: int = 0  # handed to the client so far (streams), over every choice
     cached_prompt_tokens: int = 0  # of the prompt tokens, served from the prefix cache
     user: str | None = None  # the request's OpenAI `user`
+    provenance: Provenance | None = None  # what produces the answer (registry/provenance.py)
 
     @property
     def progress(self) -> Progress:
@@ -72,6 +74,7 @@ class InFlightRequest:
             created_at=self.created_at,
             finished_at=finished_at,
             user=self.user,
+            provenance=self.provenance,
         )
 
 
@@ -106,6 +109,7 @@ def parse_line(line: str) -> InFlightRequest | Progress | UsageRecord:
     op = entry.pop("op", None)
     if op == "begin":
         entry["created_at"] = datetime.fromisoformat(entry["created_at"])
+        entry["provenance"] = coerce_provenance(entry.get("provenance"))
         return InFlightRequest(**entry)
     if op == "progress":
         return Progress(**entry)

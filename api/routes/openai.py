@@ -9,14 +9,17 @@ from fastapi import APIRouter, Request, Response
 from api.deps import SessionDep, StateDep, TenantDep
 from api.errors import model_not_found, responses
 from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.provenance import OPENAPI_HEADERS
 from api.responses import create_completion
 from api.state import AppState
 from registry.adapters import list_adapters
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+# 200: the answer (JSON, or an SSE stream), with its request id and provenance headers (api/provenance.py).
+_ANSWER = {200: {"description": "The completion, or its SSE stream", "headers": OPENAPI_HEADERS}}
 
 
-@router.post("/completions", responses=responses(400, 401, 404, 429, 504))
+@router.post("/completions", responses=_ANSWER | responses(400, 401, 404, 429, 504))
 async def completions(
     body: CompletionRequest, request: Request, state: StateDep, session: SessionDep, caller: TenantDep
 ) -> Response:
@@ -25,7 +28,7 @@ async def completions(
     )
 
 
-@router.post("/chat/completions", responses=responses(400, 401, 404, 429, 504))
+@router.post("/chat/completions", responses=_ANSWER | responses(400, 401, 404, 429, 504))
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, session: SessionDep, caller: TenantDep
 ) -> Response:
