@@ -33,7 +33,8 @@ from api.context import RequestContext, Usage, compute_usage
 from api.errors import APIError
 from api.metering import UsageMeter
 from api.metrics import Metrics
-from api.quotas import QuotaExceededError, QuotaLimiter
+from api.quotas import QuotaExceededError
+from api.quotas_db import open_limiter
 from api.state import AppState
 from base_engine.outputs import RequestOutput
 from registry.types import TenantQuotas
@@ -75,7 +76,7 @@ def install(state: AppState) -> None:
     defaults = TenantQuotas(
         rpm=settings.default_rpm, tpm=settings.default_tpm, max_concurrent=settings.default_max_concurrent
     )
-    state.quotas = QuotaLimiter(defaults)
+    state.quotas = open_limiter(settings, state.sessions, defaults)  # a fleet's lives in the database
     sampler = MetricsSampler(state)
     sampler.start()
     state.admission_checks.append(functools.partial(check_quota, state))
@@ -84,6 +85,7 @@ def install(state: AppState) -> None:
     state.inflight.on_request_finished.append(functools.partial(finish_usage, state))
     state.on_drain.append(sampler.stop)
     state.on_drain.append(meter.stop)  # after the drain: every admitted request has finished
+    state.on_drain.append(state.quotas.stop)  # the database backend writes its pending releases
 
 
 def check_quota(state: AppState, ctx: RequestContext) -> Release:
@@ -93,9 +95,9 @@ def check_quota(state: AppState, ctx: RequestContext) -> Release:
     try:
         admission = limiter.admit(ctx.tenant_id, ctx.quotas, estimated_tokens=ctx.estimated_tokens)
     except QuotaExceededError as exc:
-        ctx.response_headers.update(limiter.headers(ctx.tenant_id, ctx.quotas))
+        ctx.response_headers.update(exc.headers)  # the state the decision saw (one database transaction)
         raise quota_error(exc) from None
-    ctx.response_headers.update(limiter.headers(ctx.tenant_id, ctx.quotas))
+    ctx.response_headers.update(admission.headers)
 
     def release(usage: Usage | None) -> None:
         if usage is NOT_ADMITTED:

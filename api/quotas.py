@@ -41,6 +41,7 @@ class QuotaExceededError(Exception):
         self.retry_after_s = retry_after_s
         self.message = message
         self.is_retryable = is_retryable
+        self.headers: dict[str, str] = {}  # the tenant's x-ratelimit-* when it was refused
 
 
 def format_duration(seconds: float) -> str:
@@ -61,7 +62,7 @@ def format_duration(seconds: float) -> str:
 
 
 @dataclass(slots=True)
-class _Bucket:
+class Bucket:
     capacity: float
     level: float
     updated_at: float
@@ -78,9 +79,11 @@ class _Bucket:
 
 
 @dataclass(slots=True)
-class _TenantState:
-    requests: _Bucket | None = None
-    tokens: _Bucket | None = None
+class TenantState:
+    """One tenant's counters; the in-memory backend keeps them in a dict, api/quotas_db.py in rows."""
+
+    requests: Bucket | None = None
+    tokens: Bucket | None = None
     num_concurrent: int = 0
 
 
@@ -101,6 +104,8 @@ class Admission:
     tenant_id: str
     estimated_tokens: int
     is_released: bool = field(default=False)
+    headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* right after this admission
+    lease_id: str | None = None  # the database backend's concurrency lease
 
     def release(self, actual_tokens: int | None = None) -> None:
         """End the request; with `actual_tokens`, return the estimate's excess to the token bucket."""
@@ -116,7 +121,81 @@ class Admission:
             self.limiter._refund(self)
 
 
+# ---- the rules, on a TenantState: shared by the in-memory and the database backend -------------
+
+
+def refill(state: TenantState, limits: Limits, now: float, window_s: float) -> None:
+    """Bring the buckets to `now` under the current limits (created, resized or dropped as needed)."""
+    for attr, limit in (("requests", limits.rpm), ("tokens", limits.tpm)):
+        bucket = getattr(state, attr)
+        if limit is None or limit == 0:
+            # Unlimited needs no bucket; 0 is refused by `check` before any bucket is read.
+            setattr(state, attr, None if limit is None else Bucket(0.0, 0.0, now))
+        elif bucket is None or bucket.capacity == 0:
+            setattr(state, attr, Bucket(float(limit), float(limit), now))
+        else:
+            bucket.refill(now, float(limit), window_s)
+
+
+def check(tenant_id: str, limits: Limits, state: TenantState, tokens: int, window_s: float) -> None:
+    """Raise QuotaExceededError when one more request of `tokens` does not fit `state` now."""
+    if limits.max_concurrent is not None and state.num_concurrent >= limits.max_concurrent:
+        maximum, running = limits.max_concurrent, f"{state.num_concurrent} running"
+        raise _refusal(
+            tenant_id, "max_concurrent", maximum, running, CONCURRENCY_RETRY_S, is_retryable=maximum > 0
+        )
+    for name, bucket, need, limit in (
+        ("rpm", state.requests, 1, limits.rpm),
+        ("tpm", state.tokens, tokens, limits.tpm),
+    ):
+        if bucket is None or limit is None:
+            continue
+        if need > limit:  # can never fit, however long the client waits
+            used = f"this request needs {need}"
+            raise _refusal(tenant_id, name, limit, used, window_s, is_retryable=False)
+        if bucket.level < need:
+            used = f"{max(0, math.floor(bucket.level))} left, this request needs {need}"
+            raise _refusal(tenant_id, name, limit, used, bucket.wait_for(need, window_s))
+
+
+def take(state: TenantState, tokens: int) -> None:
+    """Admit: one concurrency slot, one request and `tokens` from the buckets."""
+    state.num_concurrent += 1
+    if state.requests is not None:
+        state.requests.level -= 1
+    if state.tokens is not None:
+        state.tokens.level -= tokens
+
+
+def give_back(state: TenantState, *, requests: int, tokens: int) -> None:
+    """Return `requests` and `tokens` to the buckets (never above capacity; a 0-limit bucket stays 0)."""
+    for bucket, amount in ((state.requests, requests), (state.tokens, tokens)):
+        if bucket is not None and bucket.capacity > 0 and amount:
+            bucket.level = min(bucket.capacity, bucket.level + amount)
+
+
+def release_tokens(estimated_tokens: int, actual_tokens: int | None) -> int:
+    """Tokens a release gives back: what the estimate over-counted (0 when the usage is unknown)."""
+    return 0 if actual_tokens is None else estimated_tokens - actual_tokens
+
+
+def headers_of(state: TenantState, limits: Limits, window_s: float) -> dict[str, str]:
+    """`x-ratelimit-*` of a refilled `state`."""
+    out: dict[str, str] = {}
+    kinds = (("requests", state.requests, limits.rpm), ("tokens", state.tokens, limits.tpm))
+    for kind, bucket, limit in kinds:
+        if bucket is None or limit is None:
+            continue
+        out[f"x-ratelimit-limit-{kind}"] = str(limit)
+        out[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.level)))
+        reset = bucket.wait_for(bucket.capacity, window_s) if bucket.capacity else window_s
+        out[f"x-ratelimit-reset-{kind}"] = format_duration(reset)
+    return out
+
+
 class QuotaLimiter:
+    """The in-memory backend: one process's counters. api/quotas_db.py is the fleet's, same rules."""
+
     def __init__(
         self,
         defaults: TenantQuotas | None = None,
@@ -129,7 +208,7 @@ class QuotaLimiter:
         self.defaults = defaults or TenantQuotas()
         self.window_s = window_s
         self.clock = clock
-        self._tenants: dict[str, _TenantState] = {}
+        self._tenants: dict[str, TenantState] = {}
         self._lock = threading.Lock()
 
     def limits(self, quotas: TenantQuotas | None) -> Limits:
@@ -141,68 +220,38 @@ class QuotaLimiter:
         )
 
     def admit(self, tenant_id: str, quotas: TenantQuotas | None, *, estimated_tokens: int) -> Admission:
-        """Take one request and `estimated_tokens` from the tenant's limits, or raise QuotaExceededError."""
+        """Take one request and `estimated_tokens` from the tenant's limits, or raise QuotaExceededError
+        (with the tenant's `headers`); the admission carries the headers after it."""
         if estimated_tokens < 0:
             raise ValueError(f"estimated_tokens must be >= 0, got {estimated_tokens}")
         limits = self.limits(quotas)
         with self._lock:
             state = self._refill(tenant_id, limits)
-            self._check(tenant_id, limits, state, estimated_tokens)
-            state.num_concurrent += 1
-            if state.requests is not None:
-                state.requests.level -= 1
-            if state.tokens is not None:
-                state.tokens.level -= estimated_tokens
-        return Admission(self, tenant_id, estimated_tokens)
+            try:
+                check(tenant_id, limits, state, estimated_tokens, self.window_s)
+            except QuotaExceededError as exc:
+                exc.headers = headers_of(state, limits, self.window_s)
+                raise
+            take(state, estimated_tokens)
+            headers = headers_of(state, limits, self.window_s)
+        return Admission(self, tenant_id, estimated_tokens, headers=headers)
 
-    def _check(self, tenant_id: str, limits: Limits, state: _TenantState, tokens: int) -> None:
-        if limits.max_concurrent is not None and state.num_concurrent >= limits.max_concurrent:
-            maximum, running = limits.max_concurrent, f"{state.num_concurrent} running"
-            raise _refusal(
-                tenant_id, "max_concurrent", maximum, running, CONCURRENCY_RETRY_S, is_retryable=maximum > 0
-            )
-        for name, bucket, need, limit in (
-            ("rpm", state.requests, 1, limits.rpm),
-            ("tpm", state.tokens, tokens, limits.tpm),
-        ):
-            if bucket is None or limit is None:
-                continue
-            if need > limit:  # can never fit, however long the client waits
-                used = f"this request needs {need}"
-                raise _refusal(tenant_id, name, limit, used, self.window_s, is_retryable=False)
-            if bucket.level < need:
-                used = f"{max(0, math.floor(bucket.level))} left, this request needs {need}"
-                raise _refusal(tenant_id, name, limit, used, bucket.wait_for(need, self.window_s))
-
-    def _refill(self, tenant_id: str, limits: Limits) -> _TenantState:
-        now = self.clock()
-        state = self._tenants.setdefault(tenant_id, _TenantState())
-        for attr, limit in (("requests", limits.rpm), ("tokens", limits.tpm)):
-            bucket = getattr(state, attr)
-            if limit is None or limit == 0:
-                # Unlimited needs no bucket; 0 is refused by _check before any bucket is read.
-                setattr(state, attr, None if limit is None else _Bucket(0.0, 0.0, now))
-            elif bucket is None or bucket.capacity == 0:
-                setattr(state, attr, _Bucket(float(limit), float(limit), now))
-            else:
-                bucket.refill(now, float(limit), self.window_s)
+    def _refill(self, tenant_id: str, limits: Limits) -> TenantState:
+        state = self._tenants.setdefault(tenant_id, TenantState())
+        refill(state, limits, self.clock(), self.window_s)
         return state
 
     def _release(self, admission: Admission, actual_tokens: int | None) -> None:
         with self._lock:
             state = self._tenants[admission.tenant_id]
             state.num_concurrent -= 1
-            if actual_tokens is not None and state.tokens is not None and state.tokens.capacity > 0:
-                refund = admission.estimated_tokens - actual_tokens
-                state.tokens.level = min(state.tokens.capacity, state.tokens.level + refund)
+            give_back(state, requests=0, tokens=release_tokens(admission.estimated_tokens, actual_tokens))
 
     def _refund(self, admission: Admission) -> None:
         with self._lock:
             state = self._tenants[admission.tenant_id]
             state.num_concurrent -= 1
-            for bucket, amount in ((state.requests, 1), (state.tokens, admission.estimated_tokens)):
-                if bucket is not None and bucket.capacity > 0:
-                    bucket.level = min(bucket.capacity, bucket.level + amount)
+            give_back(state, requests=1, tokens=admission.estimated_tokens)
 
     def num_concurrent(self, tenant_id: str) -> int:
         with self._lock:
@@ -212,20 +261,11 @@ class QuotaLimiter:
     def headers(self, tenant_id: str, quotas: TenantQuotas | None) -> dict[str, str]:
         """`x-ratelimit-*` headers of the tenant's state now (after any admission just made)."""
         limits = self.limits(quotas)
-        out: dict[str, str] = {}
         with self._lock:
-            state = self._refill(tenant_id, limits)
-            for kind, bucket, limit in (
-                ("requests", state.requests, limits.rpm),
-                ("tokens", state.tokens, limits.tpm),
-            ):
-                if bucket is None or limit is None:
-                    continue
-                out[f"x-ratelimit-limit-{kind}"] = str(limit)
-                out[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.level)))
-                reset = bucket.wait_for(bucket.capacity, self.window_s) if bucket.capacity else self.window_s
-                out[f"x-ratelimit-reset-{kind}"] = format_duration(reset)
-        return out
+            return headers_of(self._refill(tenant_id, limits), limits, self.window_s)
+
+    def stop(self) -> None:
+        """Nothing to flush in memory (the database backend writes its pending releases here)."""
 
 
 def _refusal(

@@ -83,7 +83,10 @@ async def create_completion(
     ctx = plan.ctx
     try:
         await _fetch_adapter(state, plan)
-        ticket = admit(state, ctx, len(plan.requests))
+        if state.settings.fleet:  # the fleet's quotas are a database transaction: off the event loop
+            ticket = await run_in_threadpool(admit, state, ctx, len(plan.requests))
+        else:
+            ticket = admit(state, ctx, len(plan.requests))
     except APIError as exc:
         exc.headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers, **exc.headers}
         raise
