@@ -127,9 +127,23 @@ def serve(
             "required; migrations only by `loraserve db upgrade` [default: a single process]",
         ),
     ] = None,
+    replicas: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="engine replicas behind one entry point, on a local Ray Serve (> 1 needs what --fleet "
+            "needs: PostgreSQL --db, s3:// --registry, LORASERVE_ADMIN_KEY) [default: 1, no Ray]",
+        ),
+    ] = 1,
+    ray: Annotated[bool, typer.Option("--ray", help="run on Ray Serve even with one replica")] = False,
 ) -> None:
     """Serve the OpenAI-compatible API, adapter uploads and the admin API."""
     options = dict(locals())
+    # Issue 16 part B: --replicas N > 1 / --ray deploy the fleet on a local Ray (api/fleet/launch.py).
+    num_replicas, use_ray = options.pop("replicas"), options.pop("ray")
+    if num_replicas > 1 or use_ray:
+        _serve_on_ray(load_settings(**options), num_replicas)
+        return
     settings = load_settings(**options)
     from api.fleet_start import FleetStartError, check_fleet_settings
 
@@ -165,6 +179,19 @@ def serve(
         raise typer.Exit(2) from None
     typer.echo(banner(state))
     run(create_app(state), state)
+
+
+def _serve_on_ray(settings: Settings, num_replicas: int) -> None:
+    from api.fleet.launch import fleet_problems, run_local
+
+    _setup_logging(settings.log_level)
+    problems = fleet_problems(settings)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        typer.echo(f"error: --replicas {num_replicas} runs a fleet, which needs:\n{lines}", err=True)
+        raise typer.Exit(2)
+    os.umask(0o077)
+    run_local(settings, num_replicas=num_replicas)
 
 
 @db_app.command("upgrade")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -24,7 +25,15 @@ RequestKind = Literal["completion", "chat"]
 ID_PREFIX: dict[RequestKind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
 
 
+# Set only by a fleet replica (api/fleet/replica.py) to the id its ingress chose, never from a client
+# header: a retry on another replica keeps its id, so usage ON CONFLICT (request_id) bills it once.
+assigned_request_id: ContextVar[str | None] = ContextVar("assigned_request_id", default=None)
+
+
 def new_request_id(kind: RequestKind) -> str:
+    assigned = assigned_request_id.get()
+    if assigned is not None and assigned.startswith(f"{ID_PREFIX[kind]}-"):
+        return assigned
     return f"{ID_PREFIX[kind]}-{secrets.token_hex(16)}"
 
 

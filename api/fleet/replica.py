@@ -1,0 +1,156 @@
+"""One engine replica of the fleet as a Ray Serve deployment: our normal app, served in-process.
+
+Each replica builds the same `AppState` and FastAPI app as `loraserve serve` (api/bootstrap.py,
+api/app.py) with `fleet=True` and `replica_id` = Ray's replica id, starts it (the app's lifespan: the
+engine thread, metering, and the fleet agent where that lifespan starts one), and answers
+`handle(request, request_id)` by driving the app with the request (api/fleet/asgi_bridge.py),
+streaming `ResponseStart` and body chunks back to the ingress. The replica does all authentication,
+resolution, quotas and metering itself; the ingress only chose it.
+
+Adapters: `@serve.multiplexed` (installed per instance, sized by `max_loras`) keeps Ray's belief of
+what this replica holds. Its loader prefetches the adapter into this engine's adapter cache and waits
+until it is resident, so the request that triggered it finds it loaded (the first request does not
+pay twice). Ray's LRU eviction only lets the adapter go: the engine's own LRU frees its slot when it
+needs one (a multiplexing pin could hold every slot and starve requests routed without affinity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+
+from api.context import assigned_request_id
+from api.fleet.asgi_bridge import HttpRequest, ResponseStart, stream_asgi
+from api.fleet.routing import parse_model_id
+from api.settings import Settings, load_settings
+from registry.adapters import resolve_adapter
+from registry.errors import NotFound
+from registry.types import AdapterVersionInfo
+
+logger = logging.getLogger(__name__)
+
+REPLICA_HEADER = b"x-loraserve-replica"  # which replica answered (tests, debugging, load balancer logs)
+RESIDENT_HEADER = b"x-loraserve-adapter-resident"  # "1": the adapter was in this engine on arrival
+PREFETCH_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentAdapter:
+    """What Ray's multiplexing keeps per model id: the version it resolved to (None: not servable)."""
+
+    model_id: str
+    info: AdapterVersionInfo | None
+
+
+def replica_settings(overrides: dict[str, Any], *, replica_id: str, rank: int) -> Settings:
+    """The fleet's settings for this replica: its own data dir (journal, disk tier, uploads) under
+    the shared one, and the model resolved in the shared data dir (made once by the launcher)."""
+    shared = load_settings(**overrides)
+    return shared.model_copy(
+        update={
+            "fleet": True,
+            "replica_id": replica_id,
+            "data_dir": shared.data_dir / "replicas" / f"rank-{rank}",
+            "model": shared.model_dir(),
+            "served_model_name": shared.model_name,
+        }
+    )
+
+
+class LoraReplica:
+    """Ray Serve deployment class (wrapped by `serve.deployment` in api/fleet/ray_app.py)."""
+
+    async def __init__(self, overrides: dict[str, Any]) -> None:
+        from api.app import create_app
+        from api.bootstrap import build_state
+
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        settings = await asyncio.to_thread(
+            replica_settings, overrides, replica_id=self.replica_id, rank=context.rank.rank
+        )
+        self.state = await asyncio.to_thread(build_state, settings)
+        self.app = create_app(self.state)
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()  # engine thread, metering (api/app.py)
+        start_fleet_agent(self.state)
+
+        async def make_resident(model_id: str) -> ResidentAdapter:  # a function: Ray caches on it
+            return await self._make_resident(model_id)
+
+        self._load_adapter = serve.multiplexed(max_num_models_per_replica=settings.max_loras)(make_resident)
+        logger.info("replica %s serving %s", self.replica_id, self.state.model_name)
+
+    async def handle(
+        self, request: HttpRequest, request_id: str | None
+    ) -> AsyncIterator[ResponseStart | bytes]:
+        """Streams the app's answer to `request`; `request_id` (the ingress's) becomes the response id."""
+        model_id = serve.get_multiplexed_model_id()
+        extra = [(REPLICA_HEADER, self.replica_id.encode())]
+        if model_id:
+            is_resident = self._is_resident(model_id)
+            await self._load_adapter(model_id)
+            extra.append((RESIDENT_HEADER, b"1" if is_resident else b"0"))
+        token = assigned_request_id.set(request_id)
+        try:
+            async for chunk in stream_asgi(self.app, request):
+                if isinstance(chunk, ResponseStart):
+                    chunk = ResponseStart(chunk.status, [*chunk.headers, *extra])
+                yield chunk
+        finally:
+            with contextlib.suppress(ValueError):  # a generator may be finalized in another context
+                assigned_request_id.reset(token)
+
+    def _is_resident(self, model_id: str) -> bool:
+        # model ids are the engine's adapter ids (api/fleet/routing.py), as of the engine's last step
+        return model_id in self.state.engine.adapter_residency()
+
+    async def _make_resident(self, model_id: str) -> ResidentAdapter:
+        """Ray's multiplexed loader: start loading into this engine's adapter cache and wait for it."""
+        info = await asyncio.to_thread(self._resolve, model_id)
+        if info is None:
+            return ResidentAdapter(model_id, None)  # the request's own resolution answers 404
+        ref = info.ref
+
+        def is_done(engine: Any) -> bool:
+            cache = engine.lora.cache
+            cache.request_load(ref)  # no-op while loading or resident
+            return ref.id in cache.host or ref.id in cache.slot_of or ref.id in cache.loader.failed
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(PREFETCH_TIMEOUT_S, self.state.settings.request_timeout_s)
+        while not await self.state.engine.call(is_done) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        return ResidentAdapter(model_id, info)
+
+    def _resolve(self, model_id: str) -> AdapterVersionInfo | None:
+        try:
+            tenant_id, model = parse_model_id(model_id)
+            with self.state.sessions() as session:
+                return resolve_adapter(session, tenant_id=tenant_id, model=model)
+        except (ValueError, NotFound):
+            return None
+
+    async def check_health(self) -> None:
+        """Ray's health check: a replica whose engine thread died is restarted."""
+        if not self.state.engine_is_running:
+            raise RuntimeError(f"replica {self.replica_id}: the engine is not running")
+
+    async def __del__(self) -> None:
+        """Graceful stop (scale-down, redeploy): flush usage, stop the engine (the app's lifespan)."""
+        await self._lifespan.__aexit__(None, None, None)
+
+
+def start_fleet_agent(state: Any) -> None:
+    """FLEET AGENT CALL SITE (issue 16 part C, api/fleet/agent.py): heartbeats, residency, events.
+
+    The agent is started by the app's lifespan when `settings.fleet` (part C's edit in
+    api/bootstrap.py / api/app.py), so a replica that runs that lifespan has it already; this is the
+    one place a replica would start it itself if that ever changes.
+    """

@@ -1,0 +1,196 @@
+"""The fleet on a real local Ray Serve (issue 16 part B): ingress + 2 engine replicas on CPU.
+
+One Ray cluster per module (num_cpus=2; each replica one CPU and one engine thread) serving the tiny
+random Llama on a throwaway PostgreSQL + moto S3, deployed as `loraserve serve --replicas 2` deploys
+it (api/fleet/launch.py `prepare_deploy`, api/fleet/ray_app.py `build_app`). Requests go over HTTP to
+Ray's proxy. Affinity is measured by each replica itself (`x-loraserve-adapter-resident`: the adapter
+was in that engine on arrival) and by the engines' own adapter-load counters, not by the router.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+from tests.api.conftest import _postgres_database, _s3_env, free_port
+from tests.api.uploads import files_of, peft_adapter
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+ADMIN_KEY = "lsa-fleet-test-admin-key"
+MODEL = "tiny-llama"
+
+
+@dataclass
+class Fleet:
+    base_url: str
+    db_url: str
+
+    def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        return httpx.request(
+            method, f"{self.base_url}/admin/api{path}", headers=headers, timeout=60, **kwargs
+        )
+
+    def tenant(self) -> tuple[str, str]:
+        r = self.admin("POST", "/tenants", json={"name": f"t-{uuid.uuid4().hex[:8]}"})
+        assert r.status_code == 201, r.text
+        return r.json()["id"], r.json()["api_key"]
+
+    def upload(self, key: str, name: str, directory: Path) -> None:
+        parts = [("files", (f, c, "application/octet-stream")) for f, c in files_of(directory).items()]
+        r = httpx.post(
+            f"{self.base_url}/v1/adapters",
+            headers={"Authorization": f"Bearer {key}"},
+            data={"name": name},
+            files=parts,
+            timeout=120,
+        )
+        assert r.status_code == 201, r.text
+
+    def complete(self, key: str, model: str, *, stream: bool = False, max_tokens: int = 4) -> httpx.Response:
+        body = {"model": model, "prompt": "hello fleet", "max_tokens": max_tokens, "stream": stream}
+        return httpx.post(
+            f"{self.base_url}/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json=body,
+            timeout=120,
+        )
+
+    def usage_ids(self, tenant_id: str) -> list[str]:
+        engine = create_engine(self.db_url)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(
+                    text("SELECT request_id FROM usage_records WHERE tenant_id = :t"), {"t": tenant_id}
+                )
+                return [r[0] for r in rows]
+        finally:
+            engine.dispose()
+
+    def engine_stats_by_replica(self, timeout_s: float = 60.0) -> dict[str, dict[str, Any]]:
+        """Each replica's own engine stats: /admin/api/engine lands on any replica, so ask until both
+        answered (the replica header names which one did)."""
+        seen: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(seen) < 2 and time.monotonic() < deadline:
+            r = self.admin("GET", "/engine")
+            assert r.status_code == 200, r.text
+            seen[r.headers["x-loraserve-replica"]] = r.json()
+        assert len(seen) == 2, f"only replicas {sorted(seen)} answered"
+        return seen
+
+
+def request_id(response: httpx.Response) -> str:
+    """Our X-Request-Id: the first one (Ray's HTTP proxy appends its own, which it always does)."""
+    return response.headers.get_list("x-request-id")[0]
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tiny_llama_dir: Path, postgres_url: str, s3_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
+    from api.fleet.launch import prepare_deploy
+    from api.fleet.ray_app import build_app
+    from api.settings import load_settings
+
+    tmp = tmp_path_factory.mktemp("ray-fleet")
+    db_url = _postgres_database(postgres_url)
+    s3 = _s3_env(s3_server, tmp)
+    env = {k: v for k, v in s3.items() if k.startswith("AWS_")}
+    env |= {"LORASERVE_ADMIN_KEY": ADMIN_KEY, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    settings = load_settings(
+        model=tiny_llama_dir, served_model_name=MODEL, data_dir=tmp / "data", db=db_url,
+        registry=f"s3://{s3['bucket']}/registry", max_model_len=256, num_kv_blocks=256, max_num_seqs=8,
+        max_loras=4, max_cpu_loras=4, max_lora_rank=16, usage_flush_interval_s=0.2, log_level="warning",
+    )  # fmt: skip
+    args = prepare_deploy(settings)  # migrations once, as `loraserve serve --replicas 2` does
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({**args, "num_replicas": 2}), name="loraserve", route_prefix="/")
+        fleet = Fleet(f"http://127.0.0.1:{port}", db_url)
+        wait_for(lambda: httpx.get(f"{fleet.base_url}/health", timeout=5).status_code == 200, 120, "health")
+        yield fleet
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def adapters(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, list[str]]:
+    """A tenant with four adapters: (tenant id, key, names)."""
+    tenant_id, key = fleet.tenant()
+    names = [f"a{i}" for i in range(4)]
+    for i, name in enumerate(names):
+        fleet.upload(key, name, peft_adapter(tmp_path_factory.mktemp(name), seed=i))
+    return tenant_id, key, names
+
+
+def test_requests_stick_to_replicas_holding_their_adapter(
+    fleet: Fleet, adapters: tuple[str, str, list[str]]
+) -> None:
+    tenant_id, key, names = adapters
+    for name in names:  # warm-up: each adapter becomes resident somewhere, Ray's router learns where
+        for _ in range(2):
+            assert fleet.complete(key, name).status_code == 200
+    time.sleep(2.0)  # replicas report their model ids through Ray's controller
+    before = fleet.engine_stats_by_replica()
+    order = [name for name in names for _ in range(10)]
+    random.Random(0).shuffle(order)
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda name: fleet.complete(key, name), order))
+    assert [r.status_code for r in responses] == [200] * 40, [
+        r.text for r in responses if r.status_code != 200
+    ]
+    resident = Counter(r.headers["x-loraserve-adapter-resident"] for r in responses)
+    assert resident["1"] >= 36, f"only {resident['1']}/40 requests found their adapter resident"
+    after = fleet.engine_stats_by_replica()
+    loads = sum(after[r]["adapters"]["loads"] - before[r]["adapters"]["loads"] for r in after)
+    assert loads <= 4, f"{loads} adapter loads for 40 requests over 4 warm adapters"
+    # Billing: one usage record per request, ids as the responses reported them.
+    ids = [request_id(r) for r in responses]
+    assert ids == [r.json()["id"] for r in responses]
+    billed = wait_for(lambda: (u := fleet.usage_ids(tenant_id)) and len(u) >= 48 and u, 30, "usage")
+    assert len(billed) == len(set(billed)) == 48
+    assert set(ids) <= set(billed)
+
+
+def test_streams_end_to_end_and_base_model_goes_anywhere(
+    fleet: Fleet, adapters: tuple[str, str, list[str]]
+) -> None:
+    _, key, names = adapters
+    r = fleet.complete(key, names[0], stream=True, max_tokens=8)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    assert json.loads(events[0][6:])["id"] == request_id(r)
+    replicas = {fleet.complete(key, MODEL).headers["x-loraserve-replica"] for _ in range(12)}
+    assert len(replicas) == 2, "base-model requests should spread over both replicas"
