@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from base_engine.outputs import RequestOutput
-from registry.types import TenantQuotas
 from registry.provenance import Provenance
+from registry.types import TenantQuotas
 
 RequestKind = Literal["completion", "chat"]
 ID_PREFIX: dict[RequestKind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
@@ -59,6 +59,7 @@ class RequestContext:
     abort_reason: str | None = None  # "disconnect" | "timeout" | "shutdown" once aborted by the server
     response_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-* set by quota checks
     usage: Usage | None = None  # what the response reported, once known
+    provenance: Provenance | None = None  # what produces the answer (api/provenance.py), set when planned
 
     @property
     def estimated_tokens(self) -> int:
@@ -68,7 +69,6 @@ class RequestContext:
     @property
     def num_choices(self) -> int:
         return self.num_prompts * self.n
-    provenance: Provenance | None = None  # what produces the answer (api/provenance.py), set when planned
 
     def engine_request_id(self, index: int) -> str:
         return self.request_id if self.num_choices == 1 else f"{self.request_id}-{index}"

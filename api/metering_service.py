@@ -132,9 +132,9 @@ def begin_usage(state: AppState, ctx: RequestContext) -> None:
             adapter_version=ctx.adapter_version,
             created_at=ctx.created_at,
             user=ctx.user,
+            provenance=ctx.provenance,
         )
     except (OSError, RuntimeError, ValueError):  # the request is still billed when it finishes
-            provenance=ctx.provenance,
         logger.exception("could not journal request %s", ctx.request_id)
 
 
@@ -169,9 +169,9 @@ def usage_record(ctx: RequestContext, finals: list[RequestOutput], *, finished_a
         created_at=ctx.created_at,
         finished_at=finished_at,
         user=ctx.user,
+        provenance=ctx.provenance,
     )
 
-        provenance=ctx.provenance,
 
 def finish_usage(state: AppState, ctx: RequestContext, finals: list[RequestOutput]) -> None:
     """`inflight.on_request_finished`: bill the request once and count its engine requests."""
