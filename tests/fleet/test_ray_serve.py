@@ -10,7 +10,6 @@ was in that engine on arrival) and by the engines' own adapter-load counters, no
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 import uuid
@@ -194,3 +193,50 @@ def test_streams_end_to_end_and_base_model_goes_anywhere(
     assert json.loads(events[0][6:])["id"] == request_id(r)
     replicas = {fleet.complete(key, MODEL).headers["x-loraserve-replica"] for _ in range(12)}
     assert len(replicas) == 2, "base-model requests should spread over both replicas"
+
+
+def replica_actor(unique_id: str) -> Any:
+    """The Ray actor of the replica whose `x-loraserve-replica` is `unique_id`."""
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(f"#{unique_id}"):
+            return ray.get_actor(actor["name"], namespace=actor["namespace"])
+    raise AssertionError(f"no replica actor {unique_id}")
+
+
+def test_a_replica_killed_mid_load_fails_cleanly_and_bills_nothing_twice(
+    fleet: Fleet, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    tenant_id, key = fleet.tenant()
+    fleet.upload(key, "k", peft_adapter(tmp_path_factory.mktemp("k"), seed=7))
+    body = {"model": "k", "prompt": "count", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=fleet.base_url, headers=headers, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            victim = stream.headers["x-loraserve-replica"]
+            # Load in flight on both replicas (base model: any replica) while the victim dies.
+            with ThreadPoolExecutor(8) as pool:
+                load = [pool.submit(fleet.complete, key, MODEL, max_tokens=64) for _ in range(8)]
+                time.sleep(0.3)
+                ray.kill(replica_actor(victim))
+                rest = [line for line in lines if line.startswith("data: ")]
+                in_flight = [f.result() for f in load]
+    # The cut stream ends with an OpenAI-shaped error event, not a hang or a [DONE] it did not earn.
+    assert json.loads(first[6:])["object"] == "text_completion"
+    assert rest and rest[-1] != "data: [DONE]"
+    assert json.loads(rest[-1][6:])["error"]["code"] == "replica_unavailable"
+    # In-flight non-streamed requests: answered (retried on the other replica) or a clean 503.
+    for r in in_flight:
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert r.headers["retry-after"] and r.json()["error"]["code"] == "replica_unavailable"
+    # Later requests are served (by the survivor, until Ray replaces the victim).
+    later = [fleet.complete(key, name) for name in ["k", MODEL] * 5]
+    assert [r.status_code for r in later] == [200] * 10, [r.text for r in later]
+    assert victim not in {r.headers["x-loraserve-replica"] for r in later}
+    # Billing: every answered request once; nothing more than was sent (a retry keeps its id).
+    answered = {request_id(r) for r in [*in_flight, *later] if r.status_code == 200}
+    billed = wait_for(lambda: answered <= set(u := fleet.usage_ids(tenant_id)) and u, 30, "usage")
+    assert len(billed) == len(set(billed)) <= 1 + len(in_flight) + len(later)
