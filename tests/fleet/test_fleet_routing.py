@@ -1,0 +1,135 @@
+"""The fleet's pieces that need no Ray cluster: the ingress's routing identity (on a real SQLite
+registry), the replica's in-process ASGI bridge (a real Starlette app), the ingress's request id."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route as StarletteRoute
+
+from adapters.validation import validate_adapter
+from api.context import assigned_request_id, new_request_id
+from api.fleet.asgi_bridge import HttpRequest, ResponseStart, stream_asgi
+from api.fleet.routing import AdapterRouter, parse_model_id
+from registry.adapters import register_adapter_version
+from registry.db import make_engine, session_factory, upgrade
+from registry.store import open_store
+from registry.tenants import create_tenant
+from tests.registry.conftest import BASE_MODEL, SHAPES, write_adapter
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> tuple[AdapterRouter, str, str]:
+    """A router on a migrated SQLite registry with one tenant and its adapter `bot` (version 1)."""
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    upgrade(url)
+    sessions = session_factory(make_engine(url))
+    validate = functools.partial(validate_adapter, base=SHAPES, max_lora_rank=16, max_size_bytes=1 << 20)
+    with sessions() as session:
+        tenant, key = create_tenant(session, name="acme")
+        register_adapter_version(
+            session, open_store((tmp_path / "objects").as_uri()), tenant_id=tenant.id, name="bot",
+            files_dir=write_adapter(tmp_path / "bot"), validate=validate, base_model=BASE_MODEL,
+        )  # fmt: skip
+    return AdapterRouter(sessions, base_model=BASE_MODEL), tenant.id, key
+
+
+def _post(router: AdapterRouter, path: str, key: str, model: str):  # noqa: ANN202 - a Route
+    body = json.dumps({"model": model, "prompt": "hi"}).encode()
+    return router.route("POST", path, {"authorization": f"Bearer {key}"}, body)
+
+
+def test_routing_identity_is_the_engines_adapter_id(registry: tuple[AdapterRouter, str, str]) -> None:
+    router, tenant_id, key = registry
+    route = _post(router, "/v1/chat/completions", key, "bot")
+    assert route.model_id == f"{tenant_id}/bot@1" and parse_model_id(route.model_id) == (tenant_id, "bot@1")
+    assert route.request_id.startswith("chatcmpl-") and route.is_idempotent
+    assert _post(router, "/v1/completions", key, "bot@1").model_id == f"{tenant_id}/bot@1"
+    assert _post(router, "/tokenize", key, "bot").request_id is None
+    # Base model, unknown adapter, bad key, bad JSON: any replica (which answers 404/401/400 itself).
+    assert _post(router, "/v1/completions", key, BASE_MODEL).model_id is None
+    assert _post(router, "/v1/completions", key, "nope").model_id is None
+    assert _post(router, "/v1/completions", "lsk-0000-bad", "bot").model_id is None
+    assert router.route("POST", "/v1/completions", {"authorization": f"Bearer {key}"}, b"{").model_id is None
+
+
+def test_lookups_are_cached_and_non_inference_goes_anywhere(registry: tuple[AdapterRouter, str, str]) -> None:
+    router, _, key = registry
+    for _ in range(5):
+        _post(router, "/v1/completions", key, "bot")
+    assert router.num_lookups == 1
+    upload = router.route("POST", "/v1/adapters", {"authorization": f"Bearer {key}"}, b"")
+    assert upload.model_id is None and upload.request_id is None and not upload.is_idempotent
+    assert router.route("GET", "/v1/models", {}, b"").is_idempotent
+    router.affinity = False  # the benchmark's baseline: no model id at all
+    assert _post(router, "/v1/completions", key, "bot").model_id is None
+
+
+def test_parse_model_id_names_the_expected_form() -> None:
+    with pytest.raises(ValueError, match="'<tenant id>/<adapter>@<version>'"):
+        parse_model_id("bot")
+
+
+def test_assigned_request_id_becomes_the_response_id() -> None:
+    token = assigned_request_id.set("cmpl-from-the-ingress")
+    try:
+        assert new_request_id("completion") == "cmpl-from-the-ingress"
+        assert new_request_id("chat").startswith("chatcmpl-")  # another kind's id is never reused
+    finally:
+        assigned_request_id.reset(token)
+    assert new_request_id("completion") != "cmpl-from-the-ingress"
+
+
+def _app(events: list[str]) -> Starlette:
+    async def echo(request: Request) -> JSONResponse:
+        body = await request.json()
+        return JSONResponse({"got": body, "q": request.url.query}, headers={"x-a": "1"})
+
+    async def tokens(_: Request) -> StreamingResponse:
+        async def gen() -> AsyncIterator[bytes]:
+            try:
+                for i in range(1000):
+                    yield f"data: {i}\n\n".encode()
+                    await asyncio.sleep(0.01)
+            finally:
+                events.append("generator closed")  # what aborts engine requests in api/generation.py
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return Starlette(routes=[StarletteRoute("/echo", echo, methods=["POST"]), StarletteRoute("/sse", tokens)])
+
+
+def test_asgi_bridge_answers_and_streams() -> None:
+    async def run() -> list[object]:
+        request = HttpRequest("POST", "/echo", b"x=1", [(b"content-type", b"application/json")], b'{"a": 2}')
+        return [chunk async for chunk in stream_asgi(_app([]), request)]
+
+    start, body = asyncio.run(run())
+    assert isinstance(start, ResponseStart) and start.status == 200 and (b"x-a", b"1") in start.headers
+    assert json.loads(body) == {"got": {"a": 2}, "q": "x=1"}
+
+
+def test_asgi_bridge_caller_gone_disconnects_the_app() -> None:
+    events: list[str] = []
+
+    async def run() -> list[object]:
+        chunks = []
+        stream = stream_asgi(_app(events), HttpRequest("GET", "/sse"))
+        async for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                break
+        await stream.aclose()  # what Ray's cancellation of the replica's generator amounts to
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert chunks[1:] == [b"data: 0\n\n", b"data: 1\n\n"]
+    assert events == ["generator closed"]
