@@ -4,7 +4,8 @@ The pattern of ../shared/reference/platform.md, section 3.2: rows are written wi
 INSERT ... ON CONFLICT (request_id) DO NOTHING (SQLite and PostgreSQL), so replaying a batch after
 a crash or retry never double-bills; the export hands rows out at-least-once with the request id as
 the CloudEvents 1.0 `id`, so any downstream billing system can dedupe. Time ranges and days use
-`finished_at` in UTC.
+`finished_at` in UTC. The export's cursor is commit-safe with several writers (a fleet's replicas on
+one PostgreSQL): see `export_usage`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy import ColumnElement, Select, func, literal_column, select, text, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -101,7 +102,10 @@ def write_usage(session: Session, records: list[UsageRecord]) -> int:
     if insert is None:
         raise ValueError(f"write_usage supports sqlite and postgresql, got dialect {dialect!r}")
     table = UsageRow.__table__
-    stmt = insert(table).on_conflict_do_nothing(index_elements=["request_id"]).returning(table.c.request_id)
+    stmt = insert(table)
+    if dialect == "postgresql":  # the export's commit-safe order (export_usage)
+        stmt = stmt.values(txid=literal_column("pg_current_xact_id()::text::bigint"))
+    stmt = stmt.on_conflict_do_nothing(index_elements=["request_id"]).returning(table.c.request_id)
     inserted = session.execute(stmt, [dataclasses.asdict(r) for r in unique]).all()
     return len(inserted)
 
@@ -174,23 +178,42 @@ def export_usage(
     limit: int = 1000,
     tenant_id: str | None = None,
 ) -> UsagePage:
-    """Raw records in insertion order, `limit` at a time, resumable from `cursor`.
+    """Raw records in commit-safe order, `limit` at a time, resumable from `cursor`: every row once.
 
-    Bound: a row whose transaction commits after a later-numbered row was exported can be skipped;
-    the server writes usage from one flusher, so ids commit in order.
+    SQLite has one writer, so rows commit in id order and the cursor is the last id. On PostgreSQL
+    several replicas write at once and a lower id can commit after a higher one was read; there each
+    row carries its writing transaction's id (`txid`), and a page holds only rows whose transaction
+    is older than every transaction still running (`pg_snapshot_xmin(pg_current_snapshot())`): no
+    row can appear later below that horizon, so ordering by (txid, id) and resuming after the last
+    pair skips nothing and repeats nothing. A transaction left open holds the export back until it
+    ends (registry/README.md). The cursor there is "<txid>.<id>" (a bare id: (0, id), older cursors).
     """
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    after = 0
-    if cursor:
-        # Row ids are BIGINT: a longer number (or a non-ASCII digit) was never handed out as a cursor.
-        if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 19 and int(cursor) < 2**63):
-            raise ValueError(f"cursor must be one returned by export_usage, got {cursor[:40]!r}")
-        after = int(cursor)
-    query = _in_range(select(UsageRow).where(UsageRow.id > after), tenant_id, start, end)
-    rows = list(session.scalars(query.order_by(UsageRow.id).limit(limit)))
-    next_cursor = str(rows[-1].id) if rows else cursor
+    after = _parse_cursor(cursor)
+    query = _in_range(select(UsageRow), tenant_id, start, end)
+    if session.get_bind().dialect.name != "postgresql":
+        query = query.where(UsageRow.id > after[1]).order_by(UsageRow.id)
+        rows = list(session.scalars(query.limit(limit)))
+        next_cursor = str(rows[-1].id) if rows else cursor
+    else:
+        horizon = session.scalar(text("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"))
+        query = query.where(UsageRow.txid < horizon, tuple_(UsageRow.txid, UsageRow.id) > tuple_(*after))
+        rows = list(session.scalars(query.order_by(UsageRow.txid, UsageRow.id).limit(limit)))
+        next_cursor = f"{rows[-1].txid}.{rows[-1].id}" if rows else cursor
     return UsagePage([UsageRecord.from_row(r) for r in rows], next_cursor, has_more=len(rows) == limit)
+
+
+def _parse_cursor(cursor: str | None) -> tuple[int, int]:
+    """(txid, id) after which the export resumes; both BIGINT, so never longer than 19 digits."""
+    if not cursor:
+        return (0, 0)
+    parts = cursor.split(".")
+    if len(parts) > 2 or not all(
+        p.isascii() and p.isdigit() and len(p) <= 19 and int(p) < 2**63 for p in parts
+    ):
+        raise ValueError(f"cursor must be one returned by export_usage, got {cursor[:40]!r}")
+    return (0, int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
 def to_cloudevent(record: UsageRecord, *, source: str = "loraserve") -> dict[str, Any]:

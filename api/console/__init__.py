@@ -17,6 +17,7 @@ from api.console.alarms import AlarmConfig
 from api.console.auth import LoginRequired
 from api.console.core import Console
 from api.console.goodput import GoodputWindow, Slo
+from api.console.sessions_db import open_session_store
 from api.state import AppState
 
 router = APIRouter(tags=["console"], include_in_schema=False)
@@ -28,7 +29,8 @@ __all__ = ["AlarmConfig", "Console", "GoodputWindow", "Slo", "install_console", 
 
 def install_console(app: FastAPI, state: AppState, console: Console | None = None) -> Console:
     """Mount the console on `app`; its goodput window listens to every finished engine request."""
-    console = console or Console()
+    # A fleet's login sessions live in the database (any replica serves them; restarts keep them).
+    console = console or Console(sessions=open_session_store(state.sessions, fleet=state.settings.fleet))
     app.state.console = console
     state.engine.on_finished.append(console.goodput.observe)
 

@@ -4,7 +4,8 @@ Follows the OWASP Session Management and CSRF Prevention cheat sheets: the cooki
 256-bit random id (HttpOnly, SameSite=Strict, Path=/admin, Secure over https); the session's CSRF
 token (synchronizer-token pattern) and flash messages stay in server memory. A new id is issued at
 every login (no fixation) and dropped at logout. Sessions end after `idle_s` without a request or
-`max_age_s` in all; a server restart ends them all (operators log in again).
+`max_age_s` in all; a server restart ends them all (operators log in again). A fleet keeps them in
+the database instead (api/console/sessions_db.py: any replica serves them, restarts keep them).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class ConsoleSession:
         self.flashes.append((level, message))
 
     def pop_flashes(self) -> list[tuple[str, str]]:
-        flashes, self.flashes = self.flashes, []
+        # Emptied in place: the database store hands out the same list for every copy of a session.
+        flashes = list(self.flashes)
+        self.flashes.clear()
         return flashes
 
     def csrf_matches(self, token: str | None) -> bool:
