@@ -15,6 +15,7 @@ from registry.db import alembic_config, current_revision, downgrade, make_engine
 from registry.models import Base
 
 TABLES = {"tenants", "api_keys", "adapter_versions", "usage_records", "audit_log"}
+TABLES |= {"quota_buckets", "quota_leases", "console_sessions"}  # issue 16: fleet state (0003)
 TABLES |= {"fleet_replicas", "fleet_pins", "fleet_events"}  # issue 16: fleet membership (0004)
 
 
