@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint bench serve system-deps clean
+.PHONY: setup test test-ray lint bench serve system-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ lint: setup
 
 test: setup system-deps lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" --timeout=900
+
+# Issue 16: the fleet on a real local Ray Serve (2 CPUs, 2 replicas; about 3 minutes). Also part of
+# `make test`; this target runs only them.
+test-ray: setup system-deps
+	RAY_DEDUP_LOGS=0 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m ray --timeout=900 tests/fleet
 
 bench: setup
 	$(BIN)/python benchmarks/throughput.py --suite base --json

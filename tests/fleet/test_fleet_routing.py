@@ -133,3 +133,20 @@ def test_asgi_bridge_caller_gone_disconnects_the_app() -> None:
     chunks = asyncio.run(run())
     assert chunks[1:] == [b"data: 0\n\n", b"data: 1\n\n"]
     assert events == ["generator closed"]
+
+
+def test_ray_serve_config_is_valid_and_builds() -> None:
+    """deploy/ray-serve.yaml passes Ray's own config schema and its args build the application."""
+    import yaml
+
+    serve_schema = pytest.importorskip("ray.serve.schema")
+    from api.fleet.ray_app import build_app
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "ray-serve.yaml").read_text())
+    serve_schema.ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "api.fleet.ray_app:build_app"
+    assert {d["name"] for d in app["deployments"]} == {"Ingress", "LoraReplica"}
+    build_app(app["args"])
+    with pytest.raises(ValueError, match="max_loras"):
+        build_app({**app["args"], "max_loras": 0})
