@@ -57,6 +57,9 @@ class AttentionMetadata:
     decode_buckets: list[DecodeBucket]  # single-token decodes grouped by length (plan_decode_buckets)
     prefills: list[PrefillChunk]
     paged: PagedAttentionMeta | None = None  # set: kernels.attention reads the block tables directly
+    # A deterministic step (base_engine/invariant.py): batch-invariant GEMMs, and every token (prefill or
+    # decode) attended alone in `decode_buckets` (build_token_buckets), so `prefills` is empty.
+    invariant: bool = False
 
     @property
     def num_decodes(self) -> int:
@@ -157,13 +160,10 @@ def build_decode_buckets(
     """Host-side, once per step: decode i sits at row rows[i], has seq_lens[i] tokens (the new one
     included, already in the cache) and reads them through block_tables[i]. Shorter rows of a bucket
     are padded with `null_block`, a block no request owns and that stays zero."""
-    spans = []
-    for row, table, num_tokens in zip(rows, block_tables, seq_lens, strict=True):
-        # e.g. bs 4, 10 tokens: blocks 0..2, keys [0, 10); window 5: tokens 5..9 -> blocks 1..2, keys [1, 6)
-        lo = 0 if sliding_window is None else max(0, num_tokens - sliding_window)
-        first, end = lo // block_size, -(-num_tokens // block_size)
-        offset = first * block_size
-        spans.append(_DecodeSpan(row, table[first:end], lo - offset, num_tokens - offset))
+    spans = [
+        _span(row, table, num_tokens, block_size, sliding_window)
+        for row, table, num_tokens in zip(rows, block_tables, seq_lens, strict=True)
+    ]
     buckets = []
     for members in plan_decode_buckets([len(s.blocks) for s in spans], max_buckets=max_buckets):
         # ascending rows: a contiguous run of rows is then a plain slice
@@ -172,12 +172,55 @@ def build_decode_buckets(
     return buckets
 
 
-def _bucket(spans: list[_DecodeSpan], block_size: int, dtype: torch.dtype, null_block: int) -> DecodeBucket:
+def build_token_buckets(
+    rows: list[int],
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    *,
+    block_size: int,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+) -> list[DecodeBucket]:
+    """A deterministic step (base_engine/invariant.py): every token, prefill or decode, attends alone
+    as a decode would, with seq_lens[i] = its position + 1. A bucket holds the tokens of exactly one
+    width (blocks read), always with a mask: a token's keys, their padding and its SDPA call's shape
+    then depend only on its own position, never on its chunk, its batch or whether it is recomputed.
+    Sharing a call with other rows leaves its bits alone (measured: SDPA on CPU, fixed query length)."""
+    by_width: dict[int, list[_DecodeSpan]] = {}
+    for row, table, num_tokens in zip(rows, block_tables, seq_lens, strict=True):
+        span = _span(row, table, num_tokens, block_size, sliding_window)
+        by_width.setdefault(len(span.blocks), []).append(span)
+    return [
+        _bucket(sorted(group, key=lambda s: s.row), block_size, dtype, null_block=-1, always_mask=True)
+        for _, group in sorted(by_width.items())
+    ]
+
+
+def _span(
+    row: int, table: list[int], num_tokens: int, block_size: int, sliding_window: int | None
+) -> _DecodeSpan:
+    # e.g. bs 4, 10 tokens: blocks 0..2, keys [0, 10); window 5: tokens 5..9 -> blocks 1..2, keys [1, 6)
+    lo = 0 if sliding_window is None else max(0, num_tokens - sliding_window)
+    first, end = lo // block_size, -(-num_tokens // block_size)
+    offset = first * block_size
+    return _DecodeSpan(row, table[first:end], lo - offset, num_tokens - offset)
+
+
+def _bucket(
+    spans: list[_DecodeSpan],
+    block_size: int,
+    dtype: torch.dtype,
+    null_block: int,
+    *,
+    always_mask: bool = False,
+) -> DecodeBucket:
     num, width = len(spans), max(len(s.blocks) for s in spans)
     tables = [s.blocks + [null_block] * (width - len(s.blocks)) for s in spans]
     num_keys = width * block_size
     mask = None
-    if any(s.lo != 0 or s.hi != num_keys for s in spans):  # e.g. one length filling whole blocks: none
+    if always_mask or any(
+        s.lo != 0 or s.hi != num_keys for s in spans
+    ):  # e.g. one length filling whole blocks: none
         key_pos = torch.arange(num_keys).unsqueeze(0)  # [1, L]
         lo = torch.tensor([s.lo for s in spans]).unsqueeze(1)  # [n, 1]
         hi = torch.tensor([s.hi for s in spans]).unsqueeze(1)

@@ -25,10 +25,12 @@ class Block:
 
 
 def prefix_root(seq: Sequence) -> bytes:
-    """Root of the hash chain: adapter identity (id + content hash) and the tenant's salt."""
+    """Root of the hash chain: adapter identity (id + content hash), the tenant's salt, and whether the
+    blocks were computed batch-invariant (a deterministic request reuses only such blocks)."""
     adapter = seq.adapter
     ident = "" if adapter is None else f"{adapter.id}\x00{adapter.sha256}"
-    return hashlib.sha256(ident.encode() + b"\x01" + seq.cache_salt).digest()
+    mode = b"\x02invariant" if seq.deterministic else b""
+    return hashlib.sha256(ident.encode() + b"\x01" + seq.cache_salt + mode).digest()
 
 
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:

@@ -17,8 +17,10 @@ from base_engine.block_manager import BlockManager
 from base_engine.config import ModelConfig, load_model_config
 from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
+from base_engine.invariant import Determinism
 from base_engine.kv_sizing import plan_memory
 from base_engine.lora import make_decode_graphs, make_lora_manager
+from base_engine.model import LOGITS_CHUNK
 from base_engine.model_runner import ModelRunner, StepBatch, StepResult, allocate_kv_caches
 from base_engine.outputs import EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
@@ -115,6 +117,9 @@ class LLMEngine:
             attention=self.config.attention,
         )
         self.sampler = Sampler(seed=self.config.seed)
+        self.determinism = Determinism(
+            model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
+        )
         self.lora = make_lora_manager(self, fetch)
         if self.device.type == "cuda" and self.config.enable_cuda_graphs and self.runner.use_paged:
             self.runner.graphs = make_decode_graphs(self, capture=True)
@@ -159,6 +164,8 @@ class LLMEngine:
             )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if params.deterministic and (reason := self.determinism.refusal()) is not None:
+            raise ValueError(reason)
 
     def add_request(
         self,
@@ -177,7 +184,10 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, adapter, tenant_id, cache_salt)
         if arrival is not None:
             seq.times.arrival = arrival
-        if params.seed is not None:
+        seq.deterministic = self.determinism.always or params.deterministic
+        if seq.deterministic:
+            seq.generator = self.determinism.generator(params.seed)
+        elif params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self.requests[request_id] = seq
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, params, seq.prompt_token_ids)
@@ -214,9 +224,14 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         self.num_steps += 1
-        batch = self.runner.prepare(sched)
+        invariant = self.determinism.always or any(item.seq.deterministic for item in sched.scheduled)
+        batch = self.runner.prepare(sched, invariant=invariant)
         self.runner.clear_blocks(self.block_manager.take_fresh_blocks())
-        lora_batch = None if batch.graph_bucket is not None else self.lora.prepare_step(batch.row_slots)
+        lora_batch = (
+            None
+            if batch.graph_bucket is not None
+            else self.lora.prepare_step(batch.row_slots, invariant=invariant)
+        )
         result = self.runner.execute(batch, lora_batch)
         sampled = self._sample(batch, result)
         is_finite = result.is_finite.tolist()  # read with the sampled ids: no extra wait

@@ -31,6 +31,8 @@ class EngineConfig:
     attention: str = "auto"
     # Decode steps replayed from CUDA graphs captured per batch-size bucket (CUDA and paged only).
     enable_cuda_graphs: bool = True
+    # Every request batch-invariant (base_engine/invariant.py), as `SamplingParams.deterministic` asks.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank")

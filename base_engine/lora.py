@@ -100,12 +100,12 @@ class LoraManager:
                     outputs.append(out)
         return outputs
 
-    def prepare_step(self, row_slots: list[int]) -> LoraStepBatch | None:
+    def prepare_step(self, row_slots: list[int], *, invariant: bool = False) -> LoraStepBatch | None:
         if all(s < 0 for s in row_slots):
             return None  # a base-only step never touches the LoRA path
         # Built on the host (no device read inside the step), then one copy of each tensor.
         host_slots = torch.tensor(row_slots, dtype=torch.long)
-        meta = build_meta(host_slots, self.cache.pool.num_slots)
+        meta = build_meta(host_slots, self.cache.pool.num_slots, invariant=invariant)
         device = self.cache.device
         if device.type == "cpu":
             return LoraStepBatch(self.cache.pool, host_slots, meta)

@@ -15,6 +15,7 @@ from torch import nn
 
 from base_engine.attention import AttentionMetadata, attend, write_kv
 from base_engine.config import ModelConfig
+from base_engine.invariant import invariant_linear
 from base_engine.rope import apply_rope
 
 # checkpoint module -> (packed module, index of its slice)
@@ -38,6 +39,11 @@ class LoraBatch(Protocol):
     """Per-step multi-LoRA state: adds each row's adapter delta to a projection's output in place."""
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None: ...
+
+
+def project(linear: nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """`linear(x)`, or its batch-invariant form (base_engine/invariant.py) in a deterministic step."""
+    return invariant_linear(x, linear.weight, linear.bias) if invariant else linear(x)
 
 
 class RMSNorm(nn.Module):
@@ -76,7 +82,7 @@ class Attention(nn.Module):
         lora: LoraBatch | None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        qkv = project(self.qkv_proj, x, meta.invariant)  # [T, q + 2 kv]
         if lora is not None:
             lora.apply(self.layer, "qkv_proj", qkv, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -85,7 +91,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         attn = attend(q, k, v, kv_cache, meta, self.scale).view(num_tokens, self.q_size)
-        out = self.o_proj(attn)
+        out = project(self.o_proj, attn, meta.invariant)
         if lora is not None:
             lora.apply(self.layer, "o_proj", out, attn)
         return out
@@ -99,13 +105,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None, invariant: bool = False) -> torch.Tensor:
+        gate_up = project(self.gate_up_proj, x, invariant)  # [T, 2 * intermediate]
         if lora is not None:
             lora.apply(self.layer, "gate_up_proj", gate_up, x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         hidden = F.silu(gate) * up
-        out = self.down_proj(hidden)
+        out = project(self.down_proj, hidden, invariant)
         if lora is not None:
             lora.apply(self.layer, "down_proj", out, hidden)
         return out
@@ -128,7 +134,7 @@ class DecoderLayer(nn.Module):
         lora: LoraBatch | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora, meta.invariant)
 
 
 class Backbone(nn.Module):
@@ -165,12 +171,14 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+    def logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32."""
         weight = self.lm_head.weight  # [vocab, hidden]
         vocab = weight.shape[0]
+        linear = invariant_linear if invariant else F.linear
         if hidden.device.type != "cpu" or vocab <= LOGITS_CHUNK:
-            return F.linear(hidden, weight).float()
+            return linear(hidden, weight).float()
         out = hidden.new_empty(hidden.shape[0], vocab)
         for start in range(0, vocab, LOGITS_CHUNK):
-            out[:, start : start + LOGITS_CHUNK] = F.linear(hidden, weight[start : start + LOGITS_CHUNK])
+            out[:, start : start + LOGITS_CHUNK] = linear(hidden, weight[start : start + LOGITS_CHUNK])
         return out.float()

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from base_engine.attention import AttentionMetadata, PrefillChunk, build_decode_buckets, chunk_mask
+from base_engine.attention import (
+    AttentionMetadata,
+    DecodeBucket,
+    PrefillChunk,
+    build_decode_buckets,
+    build_token_buckets,
+    chunk_mask,
+)
 from base_engine.config import ModelConfig
 from base_engine.model import CausalLM, LoraBatch
 from base_engine.rope import RopeCache
@@ -89,8 +96,10 @@ class ModelRunner:
             tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
-    def prepare(self, sched: SchedulerOutput) -> StepBatch:
-        if self.graphs is not None:
+    def prepare(self, sched: SchedulerOutput, *, invariant: bool = False) -> StepBatch:
+        """invariant: a deterministic step (base_engine/invariant.py): batch-invariant GEMMs, and every
+        token attended alone (build_token_buckets), never from a CUDA graph."""
+        if self.graphs is not None and not invariant:
             batch = self.graphs.prepare(sched)
             if batch is not None:
                 return batch
@@ -128,12 +137,14 @@ class ModelRunner:
                 sampled_seq.append(index)
             if _is_decode(item):
                 decode_rows.append(row)
-            elif not self.use_paged:
+            elif not self.use_paged and not invariant:
                 block_table = self.to_device(torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long))
                 mask = chunk_mask(start, n, self.sliding_window)
                 mask = None if mask is None else self.to_device(mask)
                 chunks.append(PrefillChunk(row, n, start, block_table, mask))
-        if self.use_paged:
+        if invariant:
+            meta = self._token_meta(order, row_starts)
+        elif self.use_paged:
             meta = self._paged_meta(order, decodes, decode_rows, row_starts)
         else:
             meta = self._decode_meta(decodes, decode_rows)
@@ -167,13 +178,35 @@ class ModelRunner:
             dtype=self.dtype,
             null_block=self.null_block,
         )
+        self._buckets_to_device(buckets)
+        return AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=buckets, prefills=[]
+        )
+
+    def _buckets_to_device(self, buckets: list[DecodeBucket]) -> None:
         for bucket in buckets:
             bucket.rows = self.to_device(bucket.rows)
             bucket.block_tables = self.to_device(bucket.block_tables)
             bucket.mask = None if bucket.mask is None else self.to_device(bucket.mask)
-        return AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=buckets, prefills=[]
+
+    def _token_meta(self, order: list[ScheduledSeq], starts: list[int]) -> AttentionMetadata:
+        rows, tables, seq_lens = [], [], []
+        for item, row in zip(order, starts, strict=True):
+            for i in range(item.num_new_tokens):
+                rows.append(row + i)
+                tables.append(item.seq.block_table)
+                seq_lens.append(item.start + i + 1)  # the token's own K/V is written before attention
+        buckets = build_token_buckets(
+            rows,
+            tables,
+            seq_lens,
+            block_size=self.block_size,
+            sliding_window=self.sliding_window,
+            dtype=self.dtype,
         )
+        self._buckets_to_device(buckets)
+        empty = torch.empty(0, dtype=torch.long)
+        return AttentionMetadata(slot_mapping=empty, decode_buckets=buckets, prefills=[], invariant=True)
 
     def _paged_meta(
         self,
@@ -221,7 +254,7 @@ class ModelRunner:
         """The step's computation (what a CUDA graph captures)."""
         cos_sin = self.rope(batch.positions, batch.max_position)
         hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora)
-        logits = self.model.logits(hidden.index_select(0, batch.sample_rows))
+        logits = self.model.logits(hidden.index_select(0, batch.sample_rows), batch.meta.invariant)
         # A row's own K/V feed its own attention, so a NaN/Inf written to the cache at any layer shows
         # in that row's final hidden state; logits can still overflow on their own. A row sum is NaN/Inf
         # iff a value is (or the finite values' sum overflows fp32, ~1e34 each: broken all the same),

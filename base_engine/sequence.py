@@ -69,6 +69,7 @@ class Sequence:
     error: str | None = None
     times: SequenceTimes = field(default_factory=SequenceTimes)
     adapter_slot: int = -1  # device slot of its adapter while running (-1 = base model)
+    deterministic: bool = False  # runs only in batch-invariant steps (base_engine/invariant.py)
 
     @property
     def num_prompt_tokens(self) -> int:

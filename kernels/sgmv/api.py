@@ -142,6 +142,8 @@ def add_lora(
     if _resolve_backend(backend, x) == "torch":
         torch_ops.add_lora_torch(y, x, lora_a, lora_b, meta, params, layout)
         return
+    if meta.invariant:
+        raise ValueError("meta.invariant: the Triton kernels split their reductions; use the torch backend")
     from kernels.sgmv import triton_ops  # imported on first use: TRITON_INTERPRET is read at import
 
     v = triton_ops.shrink(x, lora_a, meta, params, layout)

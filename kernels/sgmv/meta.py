@@ -45,6 +45,9 @@ class SgmvMeta:
     sorted_rows_host: tuple[int, ...]  # [M], lets the CPU twin address one-row segments without a gather
     # Per-step derived data the twin builds once and every layer reuses (bag plans and indices).
     scratch: dict = field(default_factory=dict, repr=False)
+    # Batch-invariant (issue 18): every row takes one fixed schedule, whatever the batch's composition
+    # (the CPU twin's per-row bags), so a row's bits never depend on its neighbours.
+    invariant: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -82,7 +85,7 @@ def _check_token_slots(token_slots: Tensor, num_slots: int) -> None:
         )
 
 
-def build_meta(token_slots: Tensor, num_slots: int) -> SgmvMeta:
+def build_meta(token_slots: Tensor, num_slots: int, *, invariant: bool = False) -> SgmvMeta:
     """Sort the batch's rows by adapter slot and cut them into segments (once per step).
 
     Raises ValueError naming the first row whose slot is < -1 or >= num_slots.
@@ -116,4 +119,5 @@ def build_meta(token_slots: Tensor, num_slots: int) -> SgmvMeta:
         seg_lens_host=lens_host,
         seg_slots_host=tuple(seg_slots.tolist()),
         sorted_rows_host=tuple(sorted_rows.tolist()),
+        invariant=invariant,
     )

@@ -74,26 +74,37 @@ def plan(meta: SgmvMeta, max_rows: int) -> BagPlan | None:
     for g, length in enumerate(meta.seg_lens_host):
         if length > 0:  # 0: padding of fixed-capacity metadata (static_meta.py)
             (short if length <= max_rows else long).append(g)
-    result = None
-    if len(short) >= BAG_MIN_SEGMENTS:
-        pairs = sorted(
-            (meta.sorted_rows_host[i], meta.seg_slots_host[g])
-            for g in short
-            for i in range(meta.seg_starts_host[g], meta.seg_starts_host[g] + meta.seg_lens_host[g])
-        )
-        rows_host = tuple(p[0] for p in pairs)
-        slots_host = tuple(p[1] for p in pairs)
-        result = BagPlan(
-            rows=torch.tensor(rows_host, dtype=torch.int64, device=meta.device),
-            slots=torch.tensor(slots_host, dtype=torch.int64, device=meta.device),
-            slots_host=slots_host,
-            distinct_slots=tuple(meta.seg_slots_host[g] for g in short),
-            all_rows=len(rows_host) == meta.num_tokens,
-            long_segments=tuple(long),
-            bags={},
-        )
+    result = _make_plan(meta, short, long) if len(short) >= BAG_MIN_SEGMENTS else None
     meta.scratch[key] = result
     return result
+
+
+def plan_all(meta: SgmvMeta) -> BagPlan:
+    """Every row in bags, whatever its segment's length: the one schedule of a batch-invariant step
+    (each bag sums its own row in a fixed order; no GEMM whose blocking follows the batch)."""
+    key = ("bag_plan", "all")
+    if key not in meta.scratch:
+        meta.scratch[key] = _make_plan(meta, [g for g, n in enumerate(meta.seg_lens_host) if n > 0], [])
+    return meta.scratch[key]
+
+
+def _make_plan(meta: SgmvMeta, short: list[int], long: list[int]) -> BagPlan:
+    pairs = sorted(
+        (meta.sorted_rows_host[i], meta.seg_slots_host[g])
+        for g in short
+        for i in range(meta.seg_starts_host[g], meta.seg_starts_host[g] + meta.seg_lens_host[g])
+    )
+    rows_host = tuple(p[0] for p in pairs)
+    slots_host = tuple(p[1] for p in pairs)
+    return BagPlan(
+        rows=torch.tensor(rows_host, dtype=torch.int64, device=meta.device),
+        slots=torch.tensor(slots_host, dtype=torch.int64, device=meta.device),
+        slots_host=slots_host,
+        distinct_slots=tuple(meta.seg_slots_host[g] for g in short),
+        all_rows=len(rows_host) == meta.num_tokens,
+        long_segments=tuple(long),
+        bags={},
+    )
 
 
 def _bags(meta: SgmvMeta, bag_plan: BagPlan, width: int) -> tuple[Tensor, Tensor]:
@@ -154,14 +165,16 @@ def expand(
     for s, (off, size) in enumerate(zip(layout.out_offsets, layout.out_sizes, strict=True)):
         slot_ranks = params.ranks_host[s]
         distinct = {slot_ranks[a] for a in bag_plan.distinct_slots}
-        if distinct == {0}:
+        if distinct == {0} and not meta.invariant:
             continue  # no adapter of the batch covers this slice
         v_s = v[:, :, s]
         y_slice = y.narrow(1, off, size)
-        if distinct == {max_rank} and size % EXPAND_CHUNK == 0 and size >= EXPAND_CHUNKED_MIN:
+        # A batch-invariant step always takes the rank bags: the choice below follows the batch.
+        full = distinct == {max_rank} and not meta.invariant
+        if full and size % EXPAND_CHUNK == 0 and size >= EXPAND_CHUNKED_MIN:
             _expand_chunked(y_slice, v_s, tables.b[s], meta, bag_plan, max_rank, size)
             continue
-        if distinct == {max_rank}:
+        if full:
             indices, offsets = _bags(meta, bag_plan, max_rank)
             weights = v_s.reshape(-1)
         else:

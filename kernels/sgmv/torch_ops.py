@@ -95,6 +95,13 @@ def add_lora_torch(
     # The CPU layout (layout.py) in fp32 with host ranks and scales: bag schedule and fused segment loop.
     host = params.ranks_host is not None and params.scales_host is not None
     tables = bag_tables(lora_a, lora_b) if host and x.dtype == torch.float32 else None
+    if meta.invariant:
+        if tables is None:
+            raise ValueError(
+                "batch-invariant LoRA needs float32 CPU-layout weight stacks with host ranks and scales"
+            )
+        torch_bag.add_lora_bag(y, x, tables, meta, torch_bag.plan_all(meta), params, layout)
+        return
     if tables is not None:
         bag_plan = torch_bag.plan(meta, torch_bag.max_segment_rows(layout, x.element_size()))
         views = torch_fused.slot_views(lora_a, lora_b, tables, layout)
