@@ -194,6 +194,21 @@ class AdapterCache:
     def unpin(self, ref: AdapterRef) -> None:
         self.pinned.pop(ref.id, None)
 
+    def evict(self, ref_id: str) -> bool:
+        """Forget `ref_id` here (its pin, host copy and idle slot): it may no longer be served (deleted,
+        its tenant suspended). A slot that in-flight requests still use is kept until they end, then
+        reused as any other; returns False then. A load still running lands in the host tier as usual."""
+        self.pinned.pop(ref_id, None)
+        slot = self.slot_of.get(ref_id)
+        if slot is not None:
+            if self.slots[slot].num_requests > 0:
+                return False
+            del self.slot_of[ref_id]
+            self.slots[slot] = _Slot()
+        self.host.pop(ref_id, None)
+        self.host_bytes.pop(ref_id, None)
+        return True
+
     def place_pinned(self) -> None:
         """Move pinned adapters that reached the host tier into device slots while slots are free."""
         for ref_id, ref in self.pinned.items():

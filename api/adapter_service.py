@@ -36,6 +36,7 @@ from api.uploads import receive_adapter_upload
 from registry.adapters import Registration, delete_adapter, get_adapter, list_adapters, register_adapter
 from registry.audit import record_audit
 from registry.errors import RegistryError
+from registry.fleet import delete_adapter as fleet_delete_adapter
 from registry.types import AdapterVersionInfo
 
 logger = logging.getLogger(__name__)
@@ -210,9 +211,13 @@ def get_own_adapter(*, state: AppState, session: Session, caller: Caller, name: 
     return adapter_views(state, versions)[0]
 
 
-def delete_own_adapter(*, session: Session, caller: Caller, name: str, version: int | None) -> dict[str, Any]:
+def delete_own_adapter(
+    *, session: Session, caller: Caller, name: str, version: int | None, is_fleet: bool = False
+) -> dict[str, Any]:
+    # Fleet mode (issue 16): the delete and its fleet event in one transaction, so every replica evicts it.
+    delete = fleet_delete_adapter if is_fleet else delete_adapter
     try:
-        deleted = delete_adapter(session, tenant_id=caller.tenant.id, name=name, version=version)
+        deleted = delete(session, tenant_id=caller.tenant.id, name=name, version=version)
     except RegistryError as exc:
         raise from_registry_error(exc) from None
     record_audit(

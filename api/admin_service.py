@@ -3,6 +3,10 @@
 Each management action is recorded in the audit log with actor "admin". Suspending or deleting a
 tenant takes effect at once: keys and adapters are checked against the tenant's status on every
 request (registry), so nothing is cached here.
+
+Fleet mode (issue 16): actions that touch residency (pin, unpin, adapter delete, tenant status) go
+through `registry.fleet`, which records the change and its fleet event in one transaction; every
+replica's agent (api/fleet/agent.py) applies it, this one at once (`wake`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from api.adapter_service import adapter_views
 from api.errors import APIError, from_registry_error
 from api.state import AppState
-from registry.adapters import list_adapters, resolve_adapter
+from registry import fleet
+from registry.adapters import delete_adapter, list_adapters, resolve_adapter
 from registry.audit import list_audit, record_audit
 from registry.errors import RegistryError
 from registry.keys import issue_key, list_keys, revoke_key
@@ -89,8 +94,22 @@ def tenant(session: Session, *, tenant_id: str) -> dict[str, Any]:
     return tenant_view(_registry_call(get_tenant, session, tenant_id=tenant_id))
 
 
-def set_status(session: Session, *, tenant_id: str, status: TenantStatus) -> dict[str, Any]:
-    info = _registry_call(set_tenant_status, session, tenant_id=tenant_id, status=status)
+def _is_fleet(state: AppState | None) -> bool:
+    return state is not None and state.settings.fleet
+
+
+def _wake_agent(state: AppState | None) -> None:
+    if state is not None and state.fleet_agent is not None:
+        state.fleet_agent.wake()
+
+
+def set_status(
+    session: Session, *, tenant_id: str, status: TenantStatus, state: AppState | None = None
+) -> dict[str, Any]:
+    """Suspend / activate / delete; in fleet mode every replica also drops the tenant's adapters."""
+    change = fleet.set_tenant_status if _is_fleet(state) else set_tenant_status
+    info = _registry_call(change, session, tenant_id=tenant_id, status=status)
+    _wake_agent(state)
     record_audit(session, actor=ADMIN, action=f"tenant.{status.value}", tenant_id=tenant_id, target=info.name)
     return tenant_view(info)
 
@@ -134,6 +153,8 @@ def all_adapters(state: AppState, session: Session, *, tenant_id: str | None) ->
 async def pin(
     state: AppState, session: Session, *, tenant_id: str, name: str, version: int | None, is_pin: bool
 ) -> dict[str, Any]:
+    """Pin or unpin a version in the GPU adapter cache: here, and in fleet mode on every replica (the
+    pin is state in `fleet_pins`, so replicas started later apply it too)."""
     model = name if version is None else f"{name}@{version}"
     info = await run_in_threadpool(_registry_call, resolve_adapter, session, tenant_id=tenant_id, model=model)
     try:
@@ -142,12 +163,43 @@ async def pin(
         raise APIError(
             409, f"cannot {'pin' if is_pin else 'unpin'} {model}: {exc}", code="pin_failed"
         ) from None
+    if _is_fleet(state):
+        change = fleet.pin_adapter if is_pin else fleet.unpin_adapter
+        exact = f"{info.name}@{info.version}"
+        await run_in_threadpool(_registry_call, change, session, tenant_id=tenant_id, model=exact)
+        _wake_agent(state)
     target = f"{info.name}@{info.version}"
     action = "adapter.pin" if is_pin else "adapter.unpin"
     await run_in_threadpool(
         record_audit, session, actor=ADMIN, action=action, tenant_id=tenant_id, target=target
     )
     return {"object": "adapter.pin", "id": target, "pinned": is_pin, "residency": state.residency(info)}
+
+
+async def delete_adapter_versions(
+    state: AppState, session: Session, *, tenant_id: str, name: str, version: int | None
+) -> dict[str, Any]:
+    """Soft-delete a tenant's adapter (one version or all): it stops resolving at once; its pins go,
+    here and, in fleet mode, on every replica (which also evict it from their adapter caches)."""
+    change = fleet.delete_adapter if _is_fleet(state) else delete_adapter
+    deleted = await run_in_threadpool(
+        _registry_call, change, session, tenant_id=tenant_id, name=name, version=version
+    )
+    _wake_agent(state)
+    pinned = state.engine.stats().adapters.get("pinned", [])
+    for info in deleted:
+        if isinstance(pinned, list) and info.ref_id in pinned:
+            await state.engine.unpin_adapter(info.ref)
+        await run_in_threadpool(
+            record_audit,
+            session,
+            actor=ADMIN,
+            action="adapter.delete",
+            tenant_id=tenant_id,
+            target=f"{info.name}@{info.version}",
+        )
+    versions = [d.version for d in deleted]
+    return {"object": "adapter.deleted", "name": name, "versions": versions, "deleted": True}
 
 
 def audit(

@@ -30,6 +30,10 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
         # Installed last, so every other on_finished callback (metering) still finds the context.
         state.engine.on_finished.append(state.inflight.on_engine_finished)
         state.engine.start()
+        if state.settings.fleet:  # issue 16: join the fleet (heartbeat, residency, admin events)
+            from api.fleet.agent import start_agent
+
+            start_agent(state)
         logger.info("serving %s (max_model_len %d)", state.model_name, state.max_model_len)
         try:
             yield

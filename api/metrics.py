@@ -14,6 +14,10 @@ opted in, or the scrape carried the metrics token). `vllm:lora_requests_info` na
 clients send them in `model` (vLLM's convention: the adapter's name, no tenant id); with
 `tenant_labels=True` it shows the engine's full ids (`<tenant id>/<name>@<version>`) instead.
 
+Fleet (issue 16): with `replica` set (api/fleet/agent.py sets it in fleet mode), every series of
+both registries carries a `replica` label, added when rendering (`_WithLabel`), so each replica's
+scrape is distinguishable and the fleet's snapshots merge without collisions.
+
 No `*_created` series: vLLM's dashboards never read them and they double a scrape's series
 (`disable_created_metrics`, process-wide, at import).
 
@@ -36,6 +40,8 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from api.metrics_window import RecentStats
 from base_engine.outputs import EngineStats, RequestOutput
@@ -70,6 +76,19 @@ def adapter_label(ref_id: str) -> str:
     tenant, slash, rest = ref_id.partition("/")
     name, at, version = rest.rpartition("@")
     return name if slash and at and name and version.isdigit() and "/" not in rest else ref_id
+
+
+class _WithLabel:
+    """A registry's families with one more label on every sample (a constant, e.g. the replica)."""
+
+    def __init__(self, registry: Collector, name: str, value: str) -> None:
+        self.registry, self.name, self.value = registry, name, value
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.registry.collect():
+            copy = Metric(family.name, family.documentation, family.type, family.unit)
+            copy.samples = [s._replace(labels={**s.labels, self.name: self.value}) for s in family.samples]
+            yield copy
 
 
 class _Total:
@@ -107,6 +126,7 @@ class Metrics:
         self.wall_clock = wall_clock
         self._tenants: set[str] = set()
         self._lock = threading.Lock()
+        self.replica: str | None = None  # fleet mode: the `replica` label on every series
         self._define_vllm(max_model_len)
         self._define_loraserve()
 
@@ -358,10 +378,10 @@ class Metrics:
     def render(self, *, include_tenants: bool = False) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type, for `GET /metrics`; the per-tenant
         series only with `include_tenants` (two expositions of disjoint families concatenate)."""
-        payload = generate_latest(self.registry)
-        if include_tenants:
-            payload += generate_latest(self.tenant_registry)
-        return payload, CONTENT_TYPE_LATEST
+        registries: list[Collector] = [self.registry, *([self.tenant_registry] if include_tenants else [])]
+        if self.replica is not None:
+            registries = [_WithLabel(r, "replica", self.replica) for r in registries]
+        return b"".join(generate_latest(r) for r in registries), CONTENT_TYPE_LATEST
 
     def timeseries(self) -> dict[str, object]:
         return self.recent.timeseries()

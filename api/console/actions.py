@@ -102,7 +102,7 @@ async def set_quotas(tenant_id: str, request: Request, db: SessionDep, session: 
 
 @router.post("/tenants/{tenant_id}/status")
 def set_status(
-    tenant_id: str, db: SessionDep, session: CsrfDep, status: Annotated[str, Form()] = ""
+    tenant_id: str, state: StateDep, db: SessionDep, session: CsrfDep, status: Annotated[str, Form()] = ""
 ) -> Response:
     def act() -> str:
         try:
@@ -111,7 +111,7 @@ def set_status(
             raise APIError(
                 400, f"status must be one of {[s.value for s in TenantStatus]}, got {status!r}"
             ) from None
-        info = svc.set_status(db, tenant_id=tenant_id, status=new)
+        info = svc.set_status(db, tenant_id=tenant_id, status=new, state=state)
         return f"Tenant {info['name']} is now {info['status']}."
 
     back = "/admin/tenants" if status == TenantStatus.DELETED else f"/admin/tenants/{tenant_id}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Form, Query, Request
@@ -15,6 +16,7 @@ from api.console.overview import overview
 from api.console.sessions import COOKIE_NAME
 from api.deps import SessionDep, StateDep
 from api.errors import APIError, from_registry_error
+from api.fleet.views import fleet_view
 from api.routes.usage import flush_usage
 from api.state import AppState
 from registry.errors import RegistryError
@@ -124,6 +126,15 @@ async def adapters_page(
     await _flush_usage(state)
     rows = await run_in_threadpool(data.adapter_rows, state, db)
     return console.page(request, "adapters.html", session=session, rows=rows)
+
+
+@router.get("/fleet", response_class=HTMLResponse)
+async def fleet_page(
+    request: Request, console: ConsoleDep, state: StateDep, db: SessionDep, session: LoginDep
+) -> Response:
+    """Replicas and what each holds (issue 16); in single-process mode this process alone."""
+    fleet = await run_in_threadpool(fleet_view, state, db)
+    return console.page(request, "fleet.html", session=session, fleet=fleet, now=int(time.time()))
 
 
 @router.get("/usage", response_class=HTMLResponse)

@@ -2,7 +2,7 @@
 
 Deleting another tenant's adapter is an operator action: it soft-deletes the version in the
 registry (it stops resolving at once, so it is never served again), drops an operator pin so the
-GPU slot can be reused, and records who did it in the audit log.
+GPU slot can be reused (on every replica of a fleet), and records who did it in the audit log.
 """
 
 from __future__ import annotations
@@ -10,14 +10,10 @@ from __future__ import annotations
 import logging
 
 from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 
-from api.admin_service import ADMIN
-from api.errors import APIError, from_registry_error
+from api.admin_service import delete_adapter_versions
+from api.errors import APIError
 from api.state import AppState
-from registry.adapters import delete_adapter
-from registry.audit import record_audit
-from registry.errors import RegistryError
 from registry.types import QUOTA_MAX, TenantQuotas
 
 logger = logging.getLogger(__name__)
@@ -45,26 +41,7 @@ def parse_quotas(form: dict[str, str]) -> TenantQuotas:
 async def delete_adapter_version(
     state: AppState, session: Session, *, tenant_id: str, name: str, version: int
 ) -> str:
-    """Soft-delete `name@version` of the tenant, unpin it; returns its id ("name@version")."""
-    try:
-        deleted = await run_in_threadpool(
-            delete_adapter, session, tenant_id=tenant_id, name=name, version=version
-        )
-    except RegistryError as exc:
-        raise from_registry_error(exc) from None
-    target = f"{name}@{version}"
-    await run_in_threadpool(
-        record_audit, session, actor=ADMIN, action="adapter.delete", tenant_id=tenant_id, target=target
-    )
-    for info in deleted:
-        if info.ref_id in _pinned(state):
-            try:
-                await state.engine.unpin_adapter(info.ref)
-            except ValueError as exc:  # already gone from the cache: nothing left to release
-                logger.info("unpin of deleted adapter %s: %s", info.ref_id, exc)
-    return target
-
-
-def _pinned(state: AppState) -> set[str]:
-    pinned = state.engine.stats().adapters.get("pinned", [])
-    return {str(p) for p in pinned} if isinstance(pinned, list) else set()
+    """Soft-delete `name@version` of the tenant, unpin it (on every replica of a fleet); returns its
+    id ("name@version"). The admin REST route does the same (api/admin_service.py)."""
+    await delete_adapter_versions(state, session, tenant_id=tenant_id, name=name, version=version)
+    return f"{name}@{version}"

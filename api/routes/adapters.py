@@ -35,6 +35,12 @@ def get_adapter(name: str, state: StateDep, session: SessionDep, caller: TenantD
 
 @router.delete("/{name}", responses=responses(400, 401, 404))
 def delete_adapter(
-    name: str, session: SessionDep, caller: TenantDep, version: int | None = Query(None, ge=1, le=MAX_VERSION)
+    name: str,
+    state: StateDep,
+    session: SessionDep,
+    caller: TenantDep,
+    version: int | None = Query(None, ge=1, le=MAX_VERSION),
 ) -> dict[str, Any]:
-    return adapter_service.delete_own_adapter(session=session, caller=caller, name=name, version=version)
+    return adapter_service.delete_own_adapter(
+        session=session, caller=caller, name=name, version=version, is_fleet=state.settings.fleet
+    )

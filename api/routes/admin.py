@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
+from fastapi.responses import PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from api import admin_service as svc
 from api.deps import AdminDep, SessionDep, StateDep
 from api.errors import responses
+from api.fleet import views
+from api.fleet.views import fleet_view
 from registry.adapters import MAX_VERSION
 from registry.models import TenantStatus
 from registry.types import QUOTA_MAX, TenantQuotas
@@ -65,18 +69,18 @@ def get_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, An
 
 
 @router.post("/tenants/{tenant_id}/suspend", responses=responses(401, 404))
-def suspend_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
-    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.SUSPENDED)
+def suspend_tenant(tenant_id: str, _: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
+    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.SUSPENDED, state=state)
 
 
 @router.post("/tenants/{tenant_id}/activate", responses=responses(401, 404))
-def activate_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
-    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.ACTIVE)
+def activate_tenant(tenant_id: str, _: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
+    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.ACTIVE, state=state)
 
 
 @router.delete("/tenants/{tenant_id}", responses=responses(401, 404))
-def delete_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, Any]:
-    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.DELETED)
+def delete_tenant(tenant_id: str, _: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
+    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.DELETED, state=state)
 
 
 @router.put("/tenants/{tenant_id}/quotas", responses=responses(400, 401, 404))
@@ -118,6 +122,29 @@ async def unpin_adapter(
     tenant_id: str, name: str, _: AdminDep, state: StateDep, session: SessionDep, version: VersionQuery = None
 ) -> dict[str, Any]:
     return await svc.pin(state, session, tenant_id=tenant_id, name=name, version=version, is_pin=False)
+
+
+@router.delete("/tenants/{tenant_id}/adapters/{name}", responses=responses(400, 401, 404))
+async def delete_adapter(
+    tenant_id: str, name: str, _: AdminDep, state: StateDep, session: SessionDep, version: VersionQuery = None
+) -> dict[str, Any]:
+    """Soft-delete a tenant's adapter (all versions, or `version`): it stops serving at once and, in a
+    fleet, every replica evicts it."""
+    return await svc.delete_adapter_versions(state, session, tenant_id=tenant_id, name=name, version=version)
+
+
+@router.get("/fleet", responses=responses(401))
+def fleet(_: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
+    """Replicas with state (ready, draining, lost, ...), last_seen, engine summary and residency; in
+    single-process mode this process alone."""
+    return fleet_view(state, session)
+
+
+@router.get("/fleet/metrics", response_class=PlainTextResponse, responses=responses(401))
+def fleet_metrics(_: AdminDep, state: StateDep, session: SessionDep) -> Response:
+    """Every live replica's latest /metrics snapshot (a `replica` label on each series), merged: for
+    deployments with one HTTP entry point, where a scrape of /metrics reaches one replica."""
+    return Response(views.fleet_metrics(state, session), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/audit", responses=responses(400, 401))

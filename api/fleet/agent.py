@@ -1,0 +1,235 @@
+"""The replica agent (issue 16): makes one process a member of a fleet that shares one database.
+
+A background thread (never the engine thread, never the event loop), every `heartbeat_s`:
+1. heartbeat: this replica's row in `fleet_replicas` (state, engine summary, residency; every
+   `metrics_every` beats its /metrics exposition too);
+2. events: `fleet_events` after the last id seen, applied here: pin/unpin and tenant activation
+   reconcile this engine's pins with `fleet_pins`; an adapter delete or a tenant suspend/delete
+   evicts those adapters from this replica's adapter cache (pin, host copy, idle slot);
+3. every `reconcile_every` beats, and at start: pins in force pinned here, resident adapters that may
+   no longer be served evicted. This is what a replica started later, or one that missed an event
+   (a DB outage, an event committed out of id order), converges by: events are the wake-up, the
+   tables the truth.
+
+Its own database engine has short timeouts (`DB_CONNECT_TIMEOUT_S`, `DB_READ_TIMEOUT_S`); an outage
+only makes beats fail (logged once per outage) and the replica look "lost" to others; serving goes
+on. Engine changes run on the engine thread through `AsyncEngine.call`, awaited from this thread
+with a deadline. A clean shutdown removes the row. Prefix-cache blocks of an evicted adapter are not
+dropped: their keys carry the adapter's id and hash, so no request can reach them, and they are
+reused as free blocks (LRU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from adapters.types import AdapterRef
+from api.fleet.snapshot import replica_id_of, take_snapshot
+from api.state import AppState
+from base_engine.engine import LLMEngine
+from registry import fleet
+from registry.db import make_engine, session_factory
+from registry.fleet_models import FleetEventKind
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+LOST_AFTER_S = 10.0  # readers show a replica silent for longer as "lost" (10 missed beats)
+METRICS_EVERY = 3  # beats between metrics snapshots
+RECONCILE_EVERY = 5  # beats between full reconciliations with the tables
+PRUNE_EVERY = 600  # beats between prunes of old events and long-lost replica rows
+EVENTS_KEPT_S = 24 * 3600.0
+LOST_ROWS_KEPT_S = 3600.0
+DB_CONNECT_TIMEOUT_S = 2.0
+DB_READ_TIMEOUT_S = 5.0
+ENGINE_CALL_TIMEOUT_S = 10.0
+_TENANT_GONE = (FleetEventKind.TENANT_SUSPEND, FleetEventKind.TENANT_DELETE)
+
+
+class ReplicaAgent:
+    def __init__(
+        self,
+        state: AppState,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        replica_id: str,
+        sessions: sessionmaker[Session],
+        heartbeat_s: float = HEARTBEAT_S,
+    ) -> None:
+        self.state = state
+        self.loop = loop
+        self.replica_id = replica_id
+        self.sessions = sessions
+        self.heartbeat_s = heartbeat_s
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.cursor: int | None = None  # last event id applied; None = not caught up yet
+        self.num_beats = 0
+        self._is_failing = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loraserve-fleet-agent", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Poll now: an admin action on this replica applies here without waiting for the next beat."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        """Drain hook: stop the thread, then leave the fleet (off the event loop: both may wait)."""
+        await asyncio.to_thread(self._stop_and_leave)
+
+    def _stop_and_leave(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=DB_CONNECT_TIMEOUT_S + DB_READ_TIMEOUT_S + ENGINE_CALL_TIMEOUT_S)
+        try:
+            with self.sessions() as session:
+                fleet.remove_replica(session, replica_id=self.replica_id)
+        except Exception:  # noqa: BLE001 - the row then shows "lost" and is pruned later
+            logger.warning("replica %s could not remove its fleet row", self.replica_id, exc_info=True)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.tick()
+            self._wake.wait(self.heartbeat_s)
+            self._wake.clear()
+
+    def tick(self) -> None:
+        """One beat: heartbeat, events (or catching up first), periodic reconcile and prune."""
+        try:
+            with self.sessions() as session:
+                self._beat(session)
+                if self.cursor is None or self.num_beats % RECONCILE_EVERY == 0:
+                    self._catch_up(session)
+                else:
+                    self._poll(session)
+                if self.num_beats % PRUNE_EVERY == PRUNE_EVERY - 1:
+                    fleet.prune_events(session, older_than_s=EVENTS_KEPT_S)
+                    fleet.prune_replicas(session, silent_for_s=LOST_ROWS_KEPT_S)
+        except Exception as exc:  # noqa: BLE001 - a database outage must never stop serving
+            if not self._is_failing:
+                logger.warning(
+                    "fleet agent of %s: %s: %s (retrying)", self.replica_id, type(exc).__name__, exc
+                )
+            self._is_failing = True
+            return
+        if self._is_failing:
+            logger.warning("fleet agent of %s: database reachable again", self.replica_id)
+        self._is_failing = False
+
+    def _beat(self, session: Session) -> None:
+        snap = take_snapshot(self.state)
+        metrics = None
+        if self.state.metrics is not None and self.num_beats % METRICS_EVERY == 0:
+            metrics = self.state.metrics.render(include_tenants=True)[0].decode()
+        fleet.heartbeat(
+            session,
+            replica_id=self.replica_id,
+            host=self.host,
+            pid=self.pid,
+            state=snap.state,
+            stats=snap.stats,
+            residency=snap.residency,
+            metrics=metrics,
+        )
+        self.num_beats += 1
+
+    def _catch_up(self, session: Session) -> None:
+        """Converge on the tables: the cursor first, so no event committed meanwhile is skipped."""
+        latest = fleet.latest_event_id(session)
+        self._reconcile(session)
+        if self.cursor is None or latest > self.cursor:
+            self.cursor = latest
+
+    def _poll(self, session: Session) -> None:
+        assert self.cursor is not None
+        events = fleet.events_after(session, after_id=self.cursor)
+        if not events:
+            return
+        evict = [ref_id for e in events if e.kind == FleetEventKind.ADAPTER_DELETE for ref_id in e.ref_ids]
+        gone_tenants = {e.tenant_id for e in events if e.kind in _TENANT_GONE and e.tenant_id}
+        resident = self._resident_ids()
+        evict += [r for r in resident if r.partition("/")[0] in gone_tenants]
+        if evict:
+            self._on_engine(lambda engine: _evict(engine, evict))
+        self._reconcile_pins(session)
+        self.cursor = events[-1].id
+        logger.info("replica %s applied fleet events up to %d", self.replica_id, self.cursor)
+
+    # ---- reconciling with the tables ------------------------------------------------------------
+
+    def _reconcile(self, session: Session) -> None:
+        stale = fleet.stale_refs(session, ref_ids=sorted(self._resident_ids()))
+        if stale:
+            self._on_engine(lambda engine: _evict(engine, sorted(stale)))
+        self._reconcile_pins(session)
+
+    def _reconcile_pins(self, session: Session) -> None:
+        wanted = {info.ref_id: info.ref for info in fleet.pins_in_force(session)}
+        self._on_engine(lambda engine: _set_pins(engine, wanted))
+
+    def _resident_ids(self) -> set[str]:
+        pinned = self.state.engine.stats().adapters.get("pinned", [])
+        return set(self.state.engine.adapter_residency()) | set(pinned if isinstance(pinned, list) else [])
+
+    def _on_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps; wait at most ENGINE_CALL_TIMEOUT_S."""
+        future = asyncio.run_coroutine_threadsafe(self.state.engine.call(fn), self.loop)
+        return future.result(timeout=ENGINE_CALL_TIMEOUT_S)
+
+
+# ---- on the engine thread ---------------------------------------------------------------------
+
+
+def _evict(engine: LLMEngine, ref_ids: list[str]) -> None:
+    for ref_id in ref_ids:
+        if not engine.lora.cache.evict(ref_id):
+            logger.info("adapter %s still serves in-flight requests: its slot is freed after them", ref_id)
+
+
+def _set_pins(engine: LLMEngine, wanted: dict[str, AdapterRef]) -> None:
+    """Pin what the fleet pins and unpin the rest (only fleet pins exist in fleet mode)."""
+    cache = engine.lora.cache
+    for ref_id, ref in list(cache.pinned.items()):
+        if ref_id not in wanted:
+            engine.lora.unpin(ref)
+    for ref_id, ref in wanted.items():
+        if ref_id not in cache.pinned:
+            engine.lora.pin(ref)
+
+
+def start_agent(state: AppState) -> ReplicaAgent:
+    """Join the fleet (from the app's lifespan, on its event loop); idempotent. The agent stops and
+    leaves on drain. Also labels this replica's /metrics with `replica`."""
+    if state.fleet_agent is not None:
+        return state.fleet_agent
+    settings = state.settings
+    engine = make_engine(
+        settings.db_url, connect_timeout_s=DB_CONNECT_TIMEOUT_S, read_timeout_s=DB_READ_TIMEOUT_S
+    )
+    agent = ReplicaAgent(
+        state,
+        loop=asyncio.get_running_loop(),
+        replica_id=replica_id_of(settings),
+        sessions=session_factory(engine),
+    )
+    if state.metrics is not None:
+        state.metrics.replica = agent.replica_id
+    state.fleet_agent = agent
+    state.on_drain.append(agent.stop)
+    state.on_drain.append(engine.dispose)
+    agent.start()
+    logger.info("replica %s joined the fleet", agent.replica_id)
+    return agent
