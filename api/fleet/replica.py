@@ -2,7 +2,7 @@
 
 Each replica builds the same `AppState` and FastAPI app as `loraserve serve` (api/bootstrap.py,
 api/app.py) with `fleet=True` and `replica_id` = Ray's replica id, starts it (the app's lifespan: the
-engine thread, metering, and the fleet agent where that lifespan starts one), and answers
+engine thread, metering, the fleet agent of api/fleet/agent.py), and answers
 `handle(request, request_id)` by driving the app with the request (api/fleet/asgi_bridge.py),
 streaming `ResponseStart` and body chunks back to the ingress. The replica does all authentication,
 resolution, quotas and metering itself; the ingress only chose it.
@@ -78,8 +78,9 @@ class LoraReplica:
         self.state = await asyncio.to_thread(build_state, settings)
         self.app = create_app(self.state)
         self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()  # engine thread, metering (api/app.py)
-        start_fleet_agent(self.state)
+        # The app's lifespan (api/app.py): engine thread, metering and, as fleet=True, the replica
+        # agent (api/fleet/agent.py: heartbeat, residency, pin/unpin/delete events from other replicas).
+        await self._lifespan.__aenter__()
 
         async def make_resident(model_id: str) -> ResidentAdapter:  # a function: Ray caches on it
             return await self._make_resident(model_id)
@@ -145,12 +146,3 @@ class LoraReplica:
     async def __del__(self) -> None:
         """Graceful stop (scale-down, redeploy): flush usage, stop the engine (the app's lifespan)."""
         await self._lifespan.__aexit__(None, None, None)
-
-
-def start_fleet_agent(state: Any) -> None:
-    """FLEET AGENT CALL SITE (issue 16 part C, api/fleet/agent.py): heartbeats, residency, events.
-
-    The agent is started by the app's lifespan when `settings.fleet` (part C's edit in
-    api/bootstrap.py / api/app.py), so a replica that runs that lifespan has it already; this is the
-    one place a replica would start it itself if that ever changes.
-    """

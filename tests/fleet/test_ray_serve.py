@@ -83,6 +83,18 @@ class Fleet:
         finally:
             engine.dispose()
 
+    def usage_row(self, request_id: str) -> dict[str, Any] | None:
+        engine = create_engine(self.db_url)
+        try:
+            with engine.connect() as conn:
+                row = conn.execute(
+                    text("SELECT completion_tokens, finish_reason FROM usage_records WHERE request_id = :r"),
+                    {"r": request_id},
+                ).one_or_none()
+                return None if row is None else dict(row._mapping)
+        finally:
+            engine.dispose()
+
     def engine_stats_by_replica(self, timeout_s: float = 60.0) -> dict[str, dict[str, Any]]:
         """Each replica's own engine stats: /admin/api/engine lands on any replica, so ask until both
         answered (the replica header names which one did)."""
@@ -127,7 +139,7 @@ def fleet(
     settings = load_settings(
         model=tiny_llama_dir, served_model_name=MODEL, data_dir=tmp / "data", db=db_url,
         registry=f"s3://{s3['bucket']}/registry", max_model_len=256, num_kv_blocks=256, max_num_seqs=8,
-        max_loras=4, max_cpu_loras=4, max_lora_rank=16, usage_flush_interval_s=0.2, log_level="warning",
+        max_loras=4, max_cpu_loras=8, max_lora_rank=16, usage_flush_interval_s=0.2, log_level="warning",
     )  # fmt: skip
     args = prepare_deploy(settings)  # migrations once, as `loraserve serve --replicas 2` does
     port = free_port()
@@ -193,6 +205,20 @@ def test_streams_end_to_end_and_base_model_goes_anywhere(
     assert json.loads(events[0][6:])["id"] == request_id(r)
     replicas = {fleet.complete(key, MODEL).headers["x-loraserve-replica"] for _ in range(12)}
     assert len(replicas) == 2, "base-model requests should spread over both replicas"
+
+
+def test_client_disconnect_aborts_the_replicas_request(fleet: Fleet) -> None:
+    _, key = fleet.tenant()
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=fleet.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as stream:
+            assert stream.status_code == 200
+            rid = request_id(stream)
+            next(line for line in stream.iter_lines() if line.startswith("data: "))
+    # The connection is gone: Ray cancels the ingress, the ingress the replica's call, the replica's
+    # app sees http.disconnect and aborts the engine request, which is billed for what it produced.
+    row = wait_for(lambda: fleet.usage_row(rid), 30, "the aborted request's usage")
+    assert row["completion_tokens"] < 240 and row["finish_reason"] != "length", row
 
 
 def replica_actor(unique_id: str) -> Any:
