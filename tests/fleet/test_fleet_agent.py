@@ -184,3 +184,18 @@ def test_single_process_fleet_view_and_console_page(started: tuple[FastAPI, AppS
     page = client.get("/admin/fleet")
     assert page.status_code == 200 and f'data-replica="{me["id"]}"' in page.text
     assert 'href="/admin/fleet"' in page.text  # in the navigation
+
+
+def test_stop_leaves_the_fleet(started: tuple[FastAPI, AppState], loop: asyncio.AbstractEventLoop) -> None:
+    """What a clean shutdown runs (a drain hook): the thread ends and the replica's row goes."""
+    _, state = started
+    agent = agent_of(state, loop, "leaving")
+    agent.start()
+
+    def listed() -> set[str]:
+        with state.sessions() as session:
+            return {r.replica_id for r in fleet.list_replicas(session, lost_after_s=60)}
+
+    wait_for(lambda: "leaving" in listed())
+    asyncio.run_coroutine_threadsafe(agent.stop(), loop).result(30)
+    assert "leaving" not in listed() and not agent._thread.is_alive()

@@ -30,6 +30,9 @@ from tests.api.conftest import (
 from tests.api.uploads import files_of, peft_adapter, upload
 
 LOST_AFTER_S = 10.0  # api/fleet/agent.py
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
 
 
 class Fleet:
@@ -81,6 +84,9 @@ def fleet(
     group.start("r1", "r2")
     try:
         yield group
+        # A clean shutdown (SIGTERM: drain, then the agent leaves) removes the replica's row.
+        assert group.replicas["r2"].process.stop() == 0
+        assert "r2" not in fleet_rows(group.replicas["r1"])
     finally:
         for server in group.replicas.values():
             if server.process.proc is not None and server.process.proc.poll() is None:
@@ -198,7 +204,7 @@ def test_metrics_carry_the_replica_label(fleet: Fleet) -> None:
     assert 'loraserve_fleet_replica_up{replica="r2"} 1.0' in body
 
 
-def test_a_later_replica_applies_pins_and_a_killed_one_shows_lost(fleet: Fleet, tmp_path: Path) -> None:
+def test_a_later_replica_applies_pins_and_shows_lost_after_kill_9(fleet: Fleet, tmp_path: Path) -> None:
     r1 = fleet.replicas["r1"]
     tenant_id, _, ref_id = new_adapter(r1, tmp_path, "sticky", seed=4)
     assert r1.admin("POST", f"/tenants/{tenant_id}/adapters/sticky/pin").status_code == 200
@@ -215,8 +221,30 @@ def test_a_later_replica_applies_pins_and_a_killed_one_shows_lost(fleet: Fleet, 
     assert fleet_rows(r1)["r2"]["state"] == "ready"
 
 
-def test_clean_shutdown_leaves_the_fleet(fleet: Fleet) -> None:
-    (r4,) = fleet.start("r4")
-    wait_for(lambda: fleet_rows(fleet.replicas["r1"]).get("r4", {}).get("state") == "ready", 10, "r4 joins")
-    assert r4.process.stop() == 0
-    assert "r4" not in fleet_rows(fleet.replicas["r1"])
+def test_console_fleet_page_shows_each_replica_and_what_it_holds(fleet: Fleet, tmp_path: Path) -> None:
+    """The Fleet page in a real browser (Debian's Chromium), served by r2, about the whole fleet."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("needs Debian's chromium (scripts/system_deps.sh)")
+    r1, r2 = fleet.replicas["r1"], fleet.replicas["r2"]
+    tenant_id, _, ref_id = new_adapter(r1, tmp_path, "shown", seed=5)
+    assert r1.admin("POST", f"/tenants/{tenant_id}/adapters/shown/pin").status_code == 200
+    wait_for(lambda: adapter_cache(r1)["residency"].get(ref_id) == "gpu", 30, "r1 loads the pinned adapter")
+    wait_for(lambda: adapter_cache(r2)["residency"].get(ref_id) == "gpu", 30, "r2 loads the pinned adapter")
+    time.sleep(1.5)  # a heartbeat after the loads
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context(base_url=r2.base_url).new_page()
+            page.goto("/admin/fleet")
+            page.fill("#admin_key", ADMIN_KEY)
+            page.click("button[type=submit]")
+            page.wait_for_url("**/admin/fleet")
+            for rid in ("r1", "r2"):
+                row = page.locator(f'tr[data-replica="{rid}"]')
+                assert row.get_attribute("data-state") == "ready"
+                held = row.locator('[data-adapter="shown@1"]')
+                assert held.get_attribute("data-tier") == "gpu" and "pinned" in held.inner_text()
+        finally:
+            browser.close()
+    assert r1.admin("POST", f"/tenants/{tenant_id}/adapters/shown/unpin").status_code == 200
