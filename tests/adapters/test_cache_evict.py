@@ -1,0 +1,58 @@
+"""AdapterCache.evict (issue 16: a fleet replica drops an adapter that may no longer be served).
+
+Real peft adapters on the tiny Llama, loaded by the cache's own background loader; the oracle is the
+cache's residency, pins and slots.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from adapters.cache import AdapterCache
+from adapters.types import AdapterRef
+from tests.adapters.helpers import save_peft_adapter, tiny_shapes
+
+
+def loaded(cache: AdapterCache, ref: AdapterRef, timeout_s: float = 30.0) -> None:
+    cache.request_load(ref)
+    deadline = time.monotonic() + timeout_s
+    while ref.id not in cache.host:
+        assert not cache.poll(), "load failed"
+        assert time.monotonic() < deadline, "adapter did not load"
+        time.sleep(0.02)
+
+
+def test_evict_drops_pin_host_copy_and_idle_slot_but_not_a_busy_one(tmp_path: Path) -> None:
+    refs = []
+    for i in range(2):
+        directory = save_peft_adapter(tmp_path / f"a{i}", r=4, target_modules=["q_proj"], seed=i)
+        refs.append(AdapterRef(id=f"t/a{i}@1", sha256=f"{i:064x}", source=str(directory)))
+    cache = AdapterCache(
+        tiny_shapes(),
+        fetch=lambda ref: Path(ref.source),
+        max_loras=2,
+        max_lora_rank=8,
+        max_cpu_loras=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    try:
+        busy, idle = refs
+        for ref in refs:
+            loaded(cache, ref)
+        cache.pin(idle)
+        slot = cache.acquire(busy)  # one in-flight request on `busy`
+        assert slot is not None and cache.residency() == {busy.id: "gpu", idle.id: "gpu"}
+
+        assert cache.evict(idle.id) is True
+        assert idle.id not in cache.residency() and idle.id not in cache.pinned
+        assert cache.evict(busy.id) is False  # its request still reads the slot
+        assert cache.residency() == {busy.id: "gpu"}
+        cache.release(slot)
+        assert cache.evict(busy.id) is True and cache.residency() == {}
+        assert all(s.ref is None for s in cache.slots) and cache.evict("never/loaded@1") is True
+    finally:
+        cache.shutdown()
