@@ -149,7 +149,9 @@ def fleet_metrics(state: AppState, session: Session) -> bytes:
         return state.metrics.render(include_tenants=True)[0]
     snapshots = fleet.replica_metrics(session, lost_after_s=LOST_AFTER_S)
     up = CollectorRegistry()
-    gauge = Gauge("loraserve_fleet_replica_up", "1 = heard from within the lost bound.", ["replica"], registry=up)
+    gauge = Gauge(
+        "loraserve_fleet_replica_up", "1 = heard from within the lost bound.", ["replica"], registry=up
+    )
     for r in fleet.list_replicas(session, lost_after_s=LOST_AFTER_S):
         gauge.labels(r.replica_id).set(0 if r.state == "lost" else 1)
     return merge_expositions([*(text for _, text in snapshots), generate_latest(up).decode()])
