@@ -106,6 +106,8 @@ def plan_generation(
     )
     seed = request_seed(body)
     deterministic = state.settings.deterministic or bool(body.deterministic)
+    if deterministic and (reason := engine.determinism.refusal()) is not None:
+        raise APIError(400, reason, param="deterministic", code="unsupported_value")
     if state.provenance is not None:
         ctx.provenance = request_provenance(state.provenance, adapter, seed=seed, deterministic=deterministic)
     salt = state.cache_salt(caller.tenant.id)

@@ -154,6 +154,7 @@ class Settings(BaseSettings):
             max_loras=self.max_loras,
             max_cpu_loras=self.max_cpu_loras,
             max_lora_rank=self.max_lora_rank,
+            deterministic=self.deterministic,  # the engine refuses to start where it cannot keep it
         )
 
 

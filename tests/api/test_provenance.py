@@ -212,3 +212,23 @@ def test_server_wide_deterministic_overrules_false(tiny_llama_dir: Path, tmp_pat
         assert cached.is_file()  # the base hash, kept for the next start
     finally:
         assert process.stop() == 0, process.log()[-4000:]
+
+
+def test_deterministic_where_the_engine_cannot_keep_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """bfloat16: `deterministic: true` is a 400 naming the field and why; `--deterministic` does not start."""
+    env = {"LORASERVE_ADMIN_KEY": ADMIN_KEY}
+    args = [*main_server_args(tiny_llama_dir), "--dtype", "bfloat16"]
+    refused = ServerProcess([*args, "--deterministic"], tmp_path / "refused", env=env)
+    with pytest.raises(RuntimeError, match="deterministic mode needs dtype float32"):
+        refused.start()
+    process = ServerProcess(args, tmp_path / "data", env=env).start()
+    try:
+        server = Server(process, ADMIN_KEY, "sqlite-local")
+        _, key = server.tenant("prov-bf16")
+        body = {"model": BASE, "prompt": "Hi", "max_tokens": 1}
+        r = _post(server, key, "completions", {**body, "deterministic": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "deterministic", r.text
+        assert "float32" in r.json()["error"]["message"]
+        assert _provenance(_post(server, key, "completions", body))["dtype"] == "bfloat16"
+    finally:
+        assert process.stop() == 0, process.log()[-4000:]
