@@ -35,6 +35,7 @@ class Provenance:
     dtype: str = UNKNOWN  # "float32" | "bfloat16" | "float16"
     device: str = UNKNOWN  # "cpu" | "cuda:0"
     device_name: str = UNKNOWN  # GPU name, or CPU model and its SIMD level (kernels differ by both)
+    # The engine's kernels; a deterministic request's steps run base_engine/invariant.py's instead.
     lora_kernel: str = UNKNOWN  # "triton" | "torch" (kernels/sgmv)
     attention: str = UNKNOWN  # "paged-triton" | "paged-torch" | "buckets-sdpa"
     # The request.
