@@ -4,8 +4,12 @@
     python benchmarks/throughput.py --suite lora --json   # target ratio >= 4.0 (baseline: + peft)
 
     python benchmarks/throughput.py --suite lora --model smollm2 --json   # the default served model
+    python benchmarks/throughput.py --suite lora --deterministic --json   # issue 18: cost <= 0.20
 
 Prints one JSON line: engine_tok_s, hf_tok_s, ratio (only requested output tokens are counted).
+With --deterministic the baseline is our own engine: the same requests with and without
+`deterministic: true` (batch-invariant steps), interleaved on one engine; cost = 1 - det / plain.
+
 The baseline runs static batches of 32 (left-padded, each batch until its longest request), as a
 user of the library would; with --suite lora, peft's mixed-adapter batches (`adapter_names`).
 Both run in this one process, interleaved for --rounds rounds; each side's best round is reported,
@@ -42,10 +46,13 @@ def make_engine(model_dir: Path):
                max_lora_rank=16)  # fmt: skip
 
 
-def run_engine(llm, wl, adapters: list[Path] | None) -> float:
+def run_engine(llm, wl, adapters: list[Path] | None, *, deterministic: bool = False) -> float:
     from base_engine import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, deterministic=deterministic)
+        for n in wl.output_lens
+    ]
     with Timer() as t:
         outs = llm.generate(wl.prompts, params, adapters=adapters)
     assert sum(len(o.token_ids) for o in outs) == wl.num_requested_tokens
@@ -81,6 +88,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default output)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--deterministic", action="store_true", help="cost of deterministic: true (issue 18)")
     args = parser.parse_args()
     threads = setup_threads()
     from transformers import AutoModelForCausalLM
@@ -108,6 +116,9 @@ def main() -> None:
             make_workload(4, seed=1, output=(4, 8), vocab=model_vocab(model_dir)),
             adapters[:4] if adapters else None,
         )  # warm-up
+        if args.deterministic:
+            print(json.dumps(_deterministic_cost(llm, wl, adapters, args, threads, extra)))
+            return
         engine_runs, hf_runs = [], []
         for _ in range(args.rounds):
             engine_runs.append(run_engine(llm, wl, adapters))
@@ -120,6 +131,24 @@ def main() -> None:
         "ratio": round(engine_tok_s / hf_tok_s, 3), **extra,
     }  # fmt: skip
     print(json.dumps(result))
+
+
+def _deterministic_cost(llm, wl, adapters, args, threads: int, extra: dict) -> dict:
+    run_engine(llm, make_workload(4, seed=1, output=(4, 8), vocab=llm.engine.model_config.vocab_size),
+               adapters[:4] if adapters else None, deterministic=True)  # fmt: skip
+    plain_runs, det_runs = [], []
+    for _ in range(args.rounds):
+        plain_runs.append(run_engine(llm, wl, adapters))
+        det_runs.append(run_engine(llm, wl, adapters, deterministic=True))
+    plain, det = max(plain_runs), max(det_runs)
+    cost = 1 - det / plain
+    return {
+        "benchmark": f"throughput-{args.suite}-deterministic", "model": args.model,
+        "num_requests": len(wl.prompts), "requested_tokens": wl.num_requested_tokens, "threads": threads,
+        "rounds": args.rounds,
+        "plain_tok_s": round(plain, 2), "deterministic_tok_s": round(det, 2), "cost": round(cost, 3),
+        "target": 0.2, "pass": cost <= 0.2, **extra,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
