@@ -150,3 +150,21 @@ def test_ray_serve_config_is_valid_and_builds() -> None:
     build_app(app["args"])
     with pytest.raises(ValueError, match="max_loras"):
         build_app({**app["args"], "max_loras": 0})
+
+
+def test_serve_replicas_refuses_sqlite_and_local_store_naming_each(tmp_path: Path) -> None:
+    """`loraserve serve --replicas 2` without PostgreSQL, S3 and an admin key: exit 2 before Ray starts."""
+    import os
+    import subprocess
+    import sys
+
+    loraserve = str(Path(sys.executable).with_name("loraserve"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORASERVE_")}
+    result = subprocess.run(
+        [loraserve, "serve", "--replicas", "2", "--data-dir", str(tmp_path / "data")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    for needed in ("--replicas 2", "PostgreSQL", "s3://", "LORASERVE_ADMIN_KEY"):
+        assert needed in result.stderr, result.stderr
+    assert not (tmp_path / "data").exists()  # nothing written, no model fetched

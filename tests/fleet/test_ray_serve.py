@@ -24,7 +24,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from tests.api.conftest import _postgres_database, _s3_env, free_port
+from tests.api.conftest import ServerProcess, _postgres_database, _s3_env, free_port
 from tests.api.uploads import files_of, peft_adapter
 
 ray = pytest.importorskip("ray")
@@ -121,6 +121,29 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_loraserve_serve_replicas_2_runs_the_fleet_and_stops_on_sigterm(
+    tiny_llama_dir: Path, postgres_url: str, s3_server: str, tmp_path: Path
+) -> None:
+    """The CLI path (its own local Ray; first in this module, before the shared cluster starts)."""
+    s3 = _s3_env(s3_server, tmp_path)
+    env = {k: v for k, v in s3.items() if k.startswith("AWS_")} | {"LORASERVE_ADMIN_KEY": ADMIN_KEY}
+    args = [
+        "--replicas", "2", "--model", str(tiny_llama_dir), "--served-model-name", MODEL,
+        "--db", _postgres_database(postgres_url), "--registry", f"s3://{s3['bucket']}/registry",
+        "--max-model-len", "256", "--num-kv-blocks", "128", "--max-num-seqs", "4",
+    ]  # fmt: skip
+    process = ServerProcess(args, tmp_path / "data", env=env).start(timeout_s=300)
+    try:
+        fleet = Fleet(process.base_url, "")
+        _, key = fleet.tenant()  # migrations ran once, before the replicas started
+        answers = [fleet.complete(key, MODEL) for _ in range(12)]
+        assert [r.status_code for r in answers] == [200] * 12, [r.text for r in answers]
+        assert len({r.headers["x-loraserve-replica"] for r in answers}) == 2
+    finally:
+        code = process.stop(timeout_s=120)
+    assert code == 0, process.log()[-4000:]
 
 
 @pytest.fixture(scope="module")
