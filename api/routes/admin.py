@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
-from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -140,7 +139,11 @@ def fleet(_: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
     return fleet_view(state, session)
 
 
-@router.get("/fleet/metrics", response_class=PlainTextResponse, responses=responses(401))
+@router.get(
+    "/fleet/metrics",
+    response_model=None,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}, **responses(401)},
+)
 def fleet_metrics(_: AdminDep, state: StateDep, session: SessionDep) -> Response:
     """Every live replica's latest /metrics snapshot (a `replica` label on each series), merged: for
     deployments with one HTTP entry point, where a scrape of /metrics reaches one replica."""
