@@ -112,7 +112,7 @@ def test_rpm_limit_holds_across_both_replicas(replicas: tuple[ServerProcess, Ser
 def _hold_stream(server: ServerProcess, key: str, opened: threading.Event, done: threading.Event) -> None:
     """A streamed request that stays admitted until `done`: its client reads the first bytes, then
     nothing, through a 4 KiB receive buffer, so the server's send blocks on the rest of its large
-    stream (16 choices x 240 tokens with 20 logprobs each: megabytes) and the request cannot end on its own."""
+    stream (16 choices x 240 tokens with 20 logprobs each: megabytes) and the request cannot end."""
     body = json.dumps(
         {
             "model": MODEL,
