@@ -17,6 +17,8 @@ Snapshots are at most `METRICS_EVERY` heartbeats old.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -48,8 +50,8 @@ def _local_replica(state: AppState) -> ReplicaInfo:
     now = datetime.now(UTC)
     return ReplicaInfo(
         replica_id=replica_id_of(state.settings),
-        host="",
-        pid=0,
+        host=socket.gethostname(),
+        pid=os.getpid(),
         started_at=datetime.fromtimestamp(state.started_at, UTC),
         last_seen=now,
         state=snap.state.value,
