@@ -11,6 +11,7 @@ padded batch would multiply work by max/mean chunk length).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -49,6 +50,7 @@ class DecodeBucket:
     first_row: int | None  # rows are exactly [first_row, first_row + n): slice instead of gather/scatter
     block_tables: torch.Tensor  # [n, num_blocks] int64, padded with the null block to the longest row
     mask: torch.Tensor | None  # [n, 1, 1, num_blocks * bs] additive (0 / -inf); None: every key valid
+    shared_keys: bool = False  # block_tables is [1, num_blocks]: every row reads the same blocks
 
 
 @dataclass(slots=True)
@@ -176,23 +178,35 @@ def build_token_buckets(
     rows: list[int],
     block_tables: list[list[int]],
     seq_lens: list[int],
+    seq_ids: list[int],
     *,
     block_size: int,
     sliding_window: int | None,
     dtype: torch.dtype,
 ) -> list[DecodeBucket]:
     """A deterministic step (base_engine/invariant.py): every token, prefill or decode, attends alone
-    as a decode would, with seq_lens[i] = its position + 1. A bucket holds the tokens of exactly one
-    width (blocks read), always with a mask: a token's keys, their padding and its SDPA call's shape
-    then depend only on its own position, never on its chunk, its batch or whether it is recomputed.
-    Sharing a call with other rows leaves its bits alone (measured: SDPA on CPU, fixed query length)."""
-    by_width: dict[int, list[_DecodeSpan]] = {}
-    for row, table, num_tokens in zip(rows, block_tables, seq_lens, strict=True):
+    as a decode would, with seq_lens[i] = its position + 1. A bucket holds tokens of exactly one width
+    (blocks read), always with a mask: a token's keys, their padding and its SDPA call's shape then
+    depend only on its own position, never on its chunk, its batch or whether it is recomputed. Sharing
+    a call with other rows leaves a row's bits alone (measured: SDPA on CPU, fixed query length, keys
+    gathered or broadcast). Tokens of one sequence (seq_ids) that read the same blocks share one
+    gathered copy of them (`shared_keys`); single tokens (decodes) are bucketed across sequences."""
+    groups: dict[tuple[int, int, int], list[_DecodeSpan]] = {}
+    tokens_of = Counter(seq_ids)
+    for row, table, num_tokens, seq in zip(rows, block_tables, seq_lens, seq_ids, strict=True):
         span = _span(row, table, num_tokens, block_size, sliding_window)
-        by_width.setdefault(len(span.blocks), []).append(span)
+        key = (len(span.blocks), seq, span.blocks[0]) if tokens_of[seq] > 1 else (len(span.blocks), -1, -1)
+        groups.setdefault(key, []).append(span)
     return [
-        _bucket(sorted(group, key=lambda s: s.row), block_size, dtype, null_block=-1, always_mask=True)
-        for _, group in sorted(by_width.items())
+        _bucket(
+            sorted(group, key=lambda s: s.row),
+            block_size,
+            dtype,
+            null_block=-1,
+            always_mask=True,
+            shared_keys=key[1] >= 0,
+        )  # fmt: skip
+        for key, group in sorted(groups.items())
     ]
 
 
@@ -213,9 +227,12 @@ def _bucket(
     null_block: int,
     *,
     always_mask: bool = False,
+    shared_keys: bool = False,
 ) -> DecodeBucket:
     num, width = len(spans), max(len(s.blocks) for s in spans)
     tables = [s.blocks + [null_block] * (width - len(s.blocks)) for s in spans]
+    if shared_keys:
+        tables = tables[:1]
     num_keys = width * block_size
     mask = None
     if always_mask or any(
@@ -233,6 +250,7 @@ def _bucket(
         first_row=first_row if last_row - first_row + 1 == num else None,
         block_tables=torch.tensor(tables, dtype=torch.long),
         mask=mask,
+        shared_keys=shared_keys,
     )
 
 
@@ -266,15 +284,18 @@ def _decode(
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
-    n = bucket.block_tables.shape[0]
+    n = bucket.rows.shape[0]
     run = None if bucket.first_row is None else slice(bucket.first_row, bucket.first_row + n)
     qd = q.index_select(0, bucket.rows) if run is None else q[run]
     # Queries of one KV head's group act as a G-long query "sequence": [n, KVH, G, D]
     qd = qd.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # Gather each row's blocks: [n * num_blocks, bs, KVH, D] -> [n, KVH, L, D]
     flat = bucket.block_tables.view(-1)
-    keys = kv_cache[0].index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = kv_cache[1].index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    copies = 1 if bucket.shared_keys else n  # shared: one gathered copy, broadcast to every row
+    keys = kv_cache[0].index_select(0, flat).view(copies, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = kv_cache[1].index_select(0, flat).view(copies, -1, num_kv_heads, head_dim).transpose(1, 2)
+    if bucket.shared_keys:
+        keys, values = keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1)
     res = F.scaled_dot_product_attention(qd, keys, values, attn_mask=bucket.mask, scale=scale)
     res = res.reshape(n, num_heads, head_dim)  # [n, H, D]
     if run is None:

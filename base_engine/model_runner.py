@@ -190,20 +190,17 @@ class ModelRunner:
             bucket.mask = None if bucket.mask is None else self.to_device(bucket.mask)
 
     def _token_meta(self, order: list[ScheduledSeq], starts: list[int]) -> AttentionMetadata:
-        rows, tables, seq_lens = [], [], []
-        for item, row in zip(order, starts, strict=True):
+        rows, tables, seq_lens, seq_ids = [], [], [], []
+        for index, (item, row) in enumerate(zip(order, starts, strict=True)):
             for i in range(item.num_new_tokens):
                 rows.append(row + i)
                 tables.append(item.seq.block_table)
                 seq_lens.append(item.start + i + 1)  # the token's own K/V is written before attention
+                seq_ids.append(index)
         buckets = build_token_buckets(
-            rows,
-            tables,
-            seq_lens,
-            block_size=self.block_size,
-            sliding_window=self.sliding_window,
+            rows, tables, seq_lens, seq_ids, block_size=self.block_size, sliding_window=self.sliding_window,
             dtype=self.dtype,
-        )
+        )  # fmt: skip
         self._buckets_to_device(buckets)
         empty = torch.empty(0, dtype=torch.long)
         return AttentionMetadata(slot_mapping=empty, decode_buckets=buckets, prefills=[], invariant=True)
