@@ -116,21 +116,42 @@ class AdapterCache:
             self.stats.load_seconds += seconds
             self.host[ref_id] = adapter
             self.host_bytes[ref_id] = adapter_bytes(adapter)
-            self._trim_host()
+            self._trim_host(keep=ref_id)
         return failures
 
     def forget_failure(self, ref: AdapterRef) -> None:
         self.loader.forget(ref)
 
-    def _trim_host(self) -> None:
-        # Adapters in a device slot stay in the host tier (they are its source); evict others LRU.
+    def _trim_host(self, keep: str | None = None) -> None:
+        """Evict host copies LRU down to max_cpu_loras. Adapters in a device slot stay (they are its
+        source) and `keep`, the adapter that just landed, stays: a waiting request wants it. When only
+        slot holders are left, an idle slot (no request, not pinned) gives way, LRU; otherwise, with every
+        slot holding an idle adapter and max_cpu_loras == max_loras, a new adapter was dropped as soon as
+        it landed and reloaded forever while its request waited."""
         while len(self.host) > self.max_cpu_loras:
-            victim = next((r for r in self.host if r not in self.slot_of and r not in self.pinned), None)
+            victim = next(
+                (r for r in self.host if r not in self.slot_of and r not in self.pinned and r != keep), None
+            )
             if victim is None:
-                return
+                victim = self._free_idle_slot()
+            if victim is None:
+                return  # every other copy is in use: over the bound until a request ends
             del self.host[victim]
             del self.host_bytes[victim]
             self.stats.num_cpu_evictions += 1
+
+    def _free_idle_slot(self) -> str | None:
+        """Empties the least recently used idle, unpinned slot; the id it held, or None."""
+        idle = [i for i, s in enumerate(self.slots) if s.ref is not None and self._is_evictable(s)]
+        if not idle:
+            return None
+        slot = min(idle, key=lambda i: self.slots[i].last_used)
+        ref = self.slots[slot].ref
+        assert ref is not None
+        del self.slot_of[ref.id]
+        self.slots[slot] = _Slot()
+        self.stats.num_evictions += 1
+        return ref.id
 
     # ---- device slots -------------------------------------------------------------------------
 

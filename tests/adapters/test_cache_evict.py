@@ -56,3 +56,33 @@ def test_evict_drops_pin_host_copy_and_idle_slot_but_not_a_busy_one(tmp_path: Pa
         assert all(s.ref is None for s in cache.slots) and cache.evict("never/loaded@1") is True
     finally:
         cache.shutdown()
+
+
+def test_a_new_adapter_lands_when_every_slot_holds_an_idle_one(tmp_path: Path) -> None:
+    """max_cpu_loras == max_loras, both slots holding idle adapters: a third adapter used to be dropped
+    from the host tier the moment it landed (the only copy not in a slot) and reloaded forever."""
+    refs = []
+    for i in range(3):
+        directory = save_peft_adapter(tmp_path / f"a{i}", r=4, target_modules=["q_proj"], seed=i)
+        refs.append(AdapterRef(id=f"t/a{i}@1", sha256=f"{i:064x}", source=str(directory)))
+    cache = AdapterCache(
+        tiny_shapes(),
+        fetch=lambda ref: Path(ref.source),
+        max_loras=2,
+        max_lora_rank=8,
+        max_cpu_loras=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    try:
+        for ref in refs[:2]:
+            loaded(cache, ref)
+            cache.release(cache.acquire(ref))  # a finished request: the slot stays, idle
+        loaded(cache, refs[2])
+        slot = cache.acquire(refs[2])
+        assert slot is not None and cache.residency()[refs[2].id] == "gpu"
+        assert len(cache.host) <= 2 and cache.stats.num_loads == 3
+        cache.acquire(refs[0])  # the other idle slot takes a reloaded copy; nothing busy was touched
+        assert cache.slot_of[refs[2].id] == slot and cache.slots[slot].num_requests == 1
+    finally:
+        cache.shutdown()
