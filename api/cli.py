@@ -127,6 +127,12 @@ def serve(
             "required; migrations only by `loraserve db upgrade` [default: a single process]",
         ),
     ] = None,
+    replica_id: Annotated[
+        str | None,
+        typer.Option(
+            help="this replica's name in a fleet (/admin/api/fleet, metrics) [default: <host>-<pid>]"
+        ),
+    ] = None,
     replicas: Annotated[
         int,
         typer.Option(

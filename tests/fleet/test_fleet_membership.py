@@ -1,7 +1,7 @@
 """Fleet membership end to end: real `loraserve serve --fleet` replicas on one PostgreSQL + moto S3.
 
-Two replicas (r1, r2) per module, started together on a database migrated once beforehand (as a
-deploy does: `loraserve db upgrade`), each with its own data dir (disk tier) and `LORASERVE_REPLICA_ID`.
+Two replicas (`--fleet --replica-id r1|r2`) per module, started together on a database migrated once
+beforehand (as a deploy does: `loraserve db upgrade`), each with its own data dir (disk tier).
 Admin actions go through r1; the oracles are what r2 (and a third replica started later) report
 about their own engines (`GET /admin/api/engine`), how they answer a tenant, and the fleet API.
 """
@@ -43,7 +43,7 @@ class Fleet:
     def start(self, *replica_ids: str) -> list[Server]:
         """Start replicas concurrently (each start loads the model: minutes of CPU on a busy box)."""
         processes = {
-            rid: ServerProcess(self.args, self.tmp / rid, env={**self.env, "LORASERVE_REPLICA_ID": rid})
+            rid: ServerProcess([*self.args, "--fleet", "--replica-id", rid], self.tmp / rid, env=self.env)
             for rid in replica_ids
         }
         errors: list[BaseException] = []
@@ -77,7 +77,6 @@ def fleet(
     args = [*main_server_args(tiny_llama_dir), "--db", db_url, "--registry", f"s3://{s3['bucket']}/registry"]
     env = {
         "LORASERVE_ADMIN_KEY": ADMIN_KEY,
-        "LORASERVE_FLEET": "true",
         **{k: v for k, v in s3.items() if k.startswith("AWS_")},
     }
     group = Fleet(args, env, tmp, s3)
