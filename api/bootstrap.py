@@ -128,6 +128,8 @@ def banner(state: AppState) -> str:
     lines = [f"loraserve: serving model '{state.model_name}' at {base_url}/v1"]
     if state.admin_key_created or state.demo is not None:
         lines.append(f"  admin key:       {state.admin_key}   (admin API: {base_url}/admin/api)")
+    elif settings.fleet:
+        lines.append("  admin key:       provided by the deploy (LORASERVE_ADMIN_KEY, the fleet's)")
     else:
         lines.append(
             f"  admin key:       kept in {settings.data_dir / ADMIN_KEY_FILE} (or LORASERVE_ADMIN_KEY)"

@@ -115,7 +115,10 @@ class DbSessionStore(SessionStore):
 
     def _flash_list(self, id_hash: str) -> list[tuple[str, str]]:
         with self._flash_lock:
-            return self._flashes.setdefault(id_hash, [])
+            flashes = self._flashes.setdefault(id_hash, [])
+            while len(self._flashes) > self.max_sessions:  # sessions that expired elsewhere: oldest first
+                self._flashes.pop(next(iter(self._flashes)))
+            return flashes
 
     def _forget(self, id_hash: str) -> None:
         with self._flash_lock:

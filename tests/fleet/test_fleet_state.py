@@ -181,5 +181,7 @@ def test_console_login_works_through_the_other_replica_and_after_a_restart(
     assert a.stop() == 0
     a.start()
     assert httpx.get(f"{a.base_url}/admin/overview.json", cookies=cookies, timeout=60).status_code == 200
+    assert "admin key:       provided by the deploy" in a.log()  # the banner names no file of a replica
+    assert not (a.data_dir / "admin.key").exists() and not (a.data_dir / "server-secret").exists()
     stranger = {COOKIE_NAME: "not-a-session"}
     assert httpx.get(f"{a.base_url}/admin/overview.json", cookies=stranger, timeout=60).status_code == 401
