@@ -32,6 +32,9 @@ import torch.nn.functional as F
 
 INVARIANT_MIN_ROWS = 16  # fewer rows than this take other BLAS paths (GEMV and small-M kernels)
 INVARIANT_K_CHUNK = 512  # widest reduction one BLAS call makes in this mode
+# What a deterministic request's steps run, as provenance names kernels (base_engine/identity.py).
+INVARIANT_LORA_KERNEL = "torch-bags-invariant"
+INVARIANT_ATTENTION = "token-sdpa-invariant"
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

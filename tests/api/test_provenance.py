@@ -185,6 +185,8 @@ def test_drawn_seed_replays_the_sampled_answer(server: Server) -> None:
     first = _post(server, key, "completions", {**body, "deterministic": True})
     drawn = _provenance(first)
     assert drawn["deterministic"] is True
+    # its steps ran the batch-invariant kernels, not the engine's default ones
+    assert (drawn["lora_kernel"], drawn["attention"]) == ("torch-bags-invariant", "token-sdpa-invariant")
     others = {
         _provenance(_post(server, key, "completions", {**body, "max_tokens": 1}))["seed"] for _ in range(3)
     }
