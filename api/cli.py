@@ -123,8 +123,8 @@ def serve(
         bool | None,
         typer.Option(
             "--fleet",
-            help="run as one replica of a fleet: PostgreSQL --db, s3:// --registry, LORASERVE_ADMIN_KEY "
-            "required; migrations only by `loraserve db upgrade` [default: a single process]",
+            help="run as one replica of a fleet: needs a PostgreSQL db, an s3:// registry and "
+            "LORASERVE_ADMIN_KEY; migrations only by `loraserve db upgrade` [default: a single process]",
         ),
     ] = None,
     replica_id: Annotated[
@@ -137,11 +137,17 @@ def serve(
         int,
         typer.Option(
             min=1,
-            help="engine replicas behind one entry point, on a local Ray Serve (> 1 needs what --fleet "
-            "needs: PostgreSQL --db, s3:// --registry, LORASERVE_ADMIN_KEY) [default: 1, no Ray]",
+            show_default=False,
+            help="engine replicas behind one entry point, on a local Ray Serve (more than 1 needs what a "
+            "fleet needs: a PostgreSQL db, an s3:// registry, LORASERVE_ADMIN_KEY) [default: 1, no Ray]",
         ),
     ] = 1,
-    ray: Annotated[bool, typer.Option("--ray", help="run on Ray Serve even with one replica")] = False,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray", help="run on Ray Serve even with one replica [default: off]", show_default=False
+        ),
+    ] = False,
 ) -> None:
     """Serve the OpenAI-compatible API, adapter uploads and the admin API."""
     options = dict(locals())
