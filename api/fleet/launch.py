@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ def run_local(settings: Settings, *, num_replicas: int) -> None:
     args = prepare_deploy(settings)
     num_cpus = os.cpu_count() or 1
     ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
+    stopped_by_signal = False
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         replica_cpus = min(1.0, num_cpus / num_replicas)
@@ -61,9 +63,17 @@ def run_local(settings: Settings, *, num_replicas: int) -> None:
         serve.run(app, name=APP_NAME, route_prefix="/")
         logger.info("fleet of %d replicas at http://%s:%d/v1", num_replicas, settings.host, settings.port)
         _wait_for_signal()
+        stopped_by_signal = True
     finally:
         serve.shutdown()  # replicas flush usage and stop their engines (LoraReplica.__del__)
         ray.shutdown()
+    if stopped_by_signal:
+        # The fleet and the local cluster are stopped. Ray's driver library, once it has seen a SIGTERM,
+        # can abort (SIGABRT, exit -6) in its own teardown at interpreter exit; nothing is left to run.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _wait_for_signal() -> None:

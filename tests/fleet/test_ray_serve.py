@@ -36,6 +36,19 @@ ADMIN_KEY = "lsa-fleet-test-admin-key"
 MODEL = "tiny-llama"
 
 
+def _ready_replicas(fleet: Fleet, *, want: int, timeout_s: float = 60.0) -> set[str]:
+    """Ids of the replicas /admin/api/fleet shows ready, once there are `want` of them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = fleet.admin("GET", "/fleet")
+        assert r.status_code == 200, r.text
+        ready = {row["id"] for row in r.json()["data"] if row["state"] == "ready"}
+        if len(ready) >= want or time.monotonic() > deadline:
+            assert len(ready) == want, r.json()
+            return ready
+        time.sleep(0.5)
+
+
 @dataclass
 class Fleet:
     base_url: str
@@ -138,9 +151,11 @@ def test_loraserve_serve_replicas_2_runs_the_fleet_and_stops_on_sigterm(
     try:
         fleet = Fleet(process.base_url, "")
         _, key = fleet.tenant()  # migrations ran once, before the replicas started
-        answers = [fleet.complete(key, MODEL) for _ in range(12)]
+        with ThreadPoolExecutor(6) as pool:  # concurrent, so Ray's router spreads them
+            answers = list(pool.map(lambda _: fleet.complete(key, MODEL, max_tokens=16), range(12)))
         assert [r.status_code for r in answers] == [200] * 12, [r.text for r in answers]
-        assert len({r.headers["x-loraserve-replica"] for r in answers}) == 2
+        ready = _ready_replicas(fleet, want=2)  # each replica's own heartbeat: both up and serving
+        assert {r.headers["x-loraserve-replica"] for r in answers} <= ready
     finally:
         code = process.stop(timeout_s=120)
     assert code == 0, process.log()[-4000:]
