@@ -25,9 +25,12 @@ def loaded(cache: AdapterCache, ref: AdapterRef, timeout_s: float = 30.0) -> Non
         time.sleep(0.02)
 
 
-def test_evict_drops_pin_host_copy_and_idle_slot_but_not_a_busy_one(tmp_path: Path) -> None:
+def adapters_and_cache(
+    tmp_path: Path, *, num: int, max_cpu_loras: int
+) -> tuple[list[AdapterRef], AdapterCache]:
+    """`num` peft adapters on disk and a cache of two device slots over them."""
     refs = []
-    for i in range(2):
+    for i in range(num):
         directory = save_peft_adapter(tmp_path / f"a{i}", r=4, target_modules=["q_proj"], seed=i)
         refs.append(AdapterRef(id=f"t/a{i}@1", sha256=f"{i:064x}", source=str(directory)))
     cache = AdapterCache(
@@ -35,10 +38,15 @@ def test_evict_drops_pin_host_copy_and_idle_slot_but_not_a_busy_one(tmp_path: Pa
         fetch=lambda ref: Path(ref.source),
         max_loras=2,
         max_lora_rank=8,
-        max_cpu_loras=4,
+        max_cpu_loras=max_cpu_loras,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
+    return refs, cache
+
+
+def test_evict_drops_pin_host_copy_and_idle_slot_but_not_a_busy_one(tmp_path: Path) -> None:
+    refs, cache = adapters_and_cache(tmp_path, num=2, max_cpu_loras=4)
     try:
         busy, idle = refs
         for ref in refs:
@@ -61,19 +69,7 @@ def test_evict_drops_pin_host_copy_and_idle_slot_but_not_a_busy_one(tmp_path: Pa
 def test_a_new_adapter_lands_when_every_slot_holds_an_idle_one(tmp_path: Path) -> None:
     """max_cpu_loras == max_loras, both slots holding idle adapters: a third adapter used to be dropped
     from the host tier the moment it landed (the only copy not in a slot) and reloaded forever."""
-    refs = []
-    for i in range(3):
-        directory = save_peft_adapter(tmp_path / f"a{i}", r=4, target_modules=["q_proj"], seed=i)
-        refs.append(AdapterRef(id=f"t/a{i}@1", sha256=f"{i:064x}", source=str(directory)))
-    cache = AdapterCache(
-        tiny_shapes(),
-        fetch=lambda ref: Path(ref.source),
-        max_loras=2,
-        max_lora_rank=8,
-        max_cpu_loras=2,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    refs, cache = adapters_and_cache(tmp_path, num=3, max_cpu_loras=2)
     try:
         for ref in refs[:2]:
             loaded(cache, ref)

@@ -24,6 +24,7 @@ from base_engine.engine_config import EngineConfig
 from base_engine.invariant import GemmProbe, invariant_linear
 from base_engine.outputs import RequestOutput
 from base_engine.tiny_checkpoint import save_random_checkpoint
+from tests.engine.conftest import preload_adapters
 
 VOCAB = 512
 NUM_ADAPTERS = 8
@@ -60,14 +61,7 @@ def _engine(
         max_loras=NUM_ADAPTERS, max_cpu_loras=NUM_ADAPTERS, max_lora_rank=16, attention="buckets",
     )  # fmt: skip
     engine = LLMEngine(model_dir, config=config)
-    # Loaded up front: an engine step while a load runs in the background does nothing, and how many
-    # such steps pass would depend on this machine's load, not on the scenario.
-    cache = engine.lora.cache
-    for path in adapters:
-        cache.request_load(engine.lora.local_ref(path))
-    for pending in list(cache.pending.values()):
-        pending.future.result(timeout=120)
-    cache.poll()
+    preload_adapters(engine, adapters)
     return engine
 
 

@@ -22,6 +22,7 @@ from base_engine.config import load_model_config
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
 from base_engine.tiny_checkpoint import save_random_checkpoint
+from tests.engine.conftest import preload_adapters
 
 BLOCK_SIZE = 4
 
@@ -46,15 +47,6 @@ def _engine(model_dir: Path, num_kv_blocks: int = 24, attention: str = "buckets"
         max_loras=3, max_cpu_loras=4, max_lora_rank=8, attention=attention,
     )  # fmt: skip
     return LLMEngine(model_dir, config=config)
-
-
-def _preload(engine: LLMEngine, adapters: list[Path]) -> None:
-    cache = engine.lora.cache
-    for path in adapters:
-        cache.request_load(engine.lora.local_ref(path))
-    for pending in list(cache.pending.values()):
-        pending.future.result(timeout=30)
-    cache.poll()
 
 
 def _poison_free_blocks(engine: LLMEngine) -> None:
@@ -100,10 +92,10 @@ def _step(engine: LLMEngine, poison: bool) -> dict[str, tuple]:
 def test_stale_and_padded_kv_slots_never_change_a_result(setup, attention: str) -> None:
     model_dir, adapters = setup
     clean = _engine(model_dir, attention=attention)
-    _preload(clean, adapters)
+    preload_adapters(clean, adapters)
     expected = _run_waves(clean, adapters, poison=False)
     dirty = _engine(model_dir, attention=attention)
-    _preload(dirty, adapters)
+    preload_adapters(dirty, adapters)
     _poison_free_blocks(dirty)
     got = _run_waves(dirty, adapters, poison=True)
     assert clean.block_manager.num_prefix_hits > 0, "the batch must exercise prefix hits"
@@ -116,7 +108,7 @@ def test_small_pool_reuses_poisoned_blocks_bitwise(setup) -> None:
     model_dir, adapters = setup
     clean, dirty = _engine(model_dir, num_kv_blocks=8), _engine(model_dir, num_kv_blocks=8)
     for engine in (clean, dirty):
-        _preload(engine, adapters)
+        preload_adapters(engine, adapters)
     expected = _run_waves(clean, adapters, poison=False)
     got = _run_waves(dirty, adapters, poison=True)
     assert clean.scheduler.num_preemptions > 0
@@ -136,9 +128,9 @@ def test_non_finite_request_fails_alone_and_publishes_nothing(setup) -> None:
     model_dir, adapters = setup
     evil_dir, good_dirs = adapters[2], adapters[:2]
     control = _engine(model_dir)
-    _preload(control, good_dirs)
+    preload_adapters(control, good_dirs)
     engine = _engine(model_dir)
-    _preload(engine, adapters)
+    preload_adapters(engine, adapters)
     _make_evil(engine, evil_dir)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [21, 22, 23, 24, 25], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
     evil_prompt = [90, 91, 92, 93, 94, 95, 96, 97, 98]

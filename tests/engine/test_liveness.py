@@ -19,6 +19,7 @@ from base_engine import LLM, SamplingParams
 from base_engine.config import load_model_config
 from base_engine.engine import LLMEngine
 from base_engine.tiny_checkpoint import save_random_checkpoint
+from tests.engine.conftest import preload_adapters
 
 BLOCK_SIZE = 4
 VOCAB = 512
@@ -100,7 +101,7 @@ def test_every_request_finishes_and_nothing_is_held(tiny, sc: dict) -> None:
         max_lora_rank=8,
     )
     engine = llm.engine
-    _preload(engine, adapter_dirs)
+    preload_adapters(engine, adapter_dirs)
     aborts = {rng.randrange(0, 30): rng.randrange(len(prompts)) for _ in range(sc["num_aborts"])}
     total_tokens = sum(len(p) + m for p, m in zip(prompts, max_tokens, strict=True))
     outs = _run_bounded(
@@ -115,16 +116,6 @@ def test_every_request_finishes_and_nothing_is_held(tiny, sc: dict) -> None:
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert engine.lora.cache.num_in_flight() == 0, "adapter pins outlived their requests"
     assert not engine.requests and not engine.has_unfinished
-
-
-def _preload(engine: LLMEngine, adapter_dirs: list[Path]) -> None:
-    """Adapters in the host tier up front, so the number of steps does not depend on load timing."""
-    cache = engine.lora.cache
-    for path in adapter_dirs:
-        cache.request_load(engine.lora.local_ref(path))
-    for pending in list(cache.pending.values()):
-        pending.future.result(timeout=30)
-    cache.poll()
 
 
 def _run_bounded(engine: LLMEngine, prompts, adapters, max_tokens, *, aborts: dict[int, int], max_steps: int):
