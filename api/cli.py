@@ -194,7 +194,7 @@ def serve(
 
 
 def _serve_on_ray(settings: Settings, num_replicas: int) -> None:
-    from api.fleet.launch import fleet_problems, run_local
+    from api.fleet.launch import fleet_problems, run_supervised
 
     _setup_logging(settings.log_level)
     problems = fleet_problems(settings)
@@ -203,7 +203,9 @@ def _serve_on_ray(settings: Settings, num_replicas: int) -> None:
         typer.echo(f"error: --replicas {num_replicas} runs a fleet, which needs:\n{lines}", err=True)
         raise typer.Exit(2)
     os.umask(0o077)
-    run_local(settings, num_replicas=num_replicas)
+    code = run_supervised(settings, num_replicas=num_replicas)
+    if code:
+        raise typer.Exit(code if code > 0 else 1)
 
 
 @db_app.command("upgrade")

@@ -10,9 +10,9 @@ cluster the same application is deployed with `serve deploy deploy/ray-serve.yam
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -52,10 +52,13 @@ def run_local(settings: Settings, *, num_replicas: int) -> None:
 
     from api.fleet.ray_app import build_app
 
+    if not logging.getLogger().handlers:  # a spawned child (run_supervised) starts unconfigured
+        logging.basicConfig(
+            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     args = prepare_deploy(settings)
     num_cpus = os.cpu_count() or 1
     ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
-    stopped_by_signal = False
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         replica_cpus = min(1.0, num_cpus / num_replicas)
@@ -63,17 +66,9 @@ def run_local(settings: Settings, *, num_replicas: int) -> None:
         serve.run(app, name=APP_NAME, route_prefix="/")
         logger.info("fleet of %d replicas at http://%s:%d/v1", num_replicas, settings.host, settings.port)
         _wait_for_signal()
-        stopped_by_signal = True
     finally:
         serve.shutdown()  # replicas flush usage and stop their engines (LoraReplica.__del__)
         ray.shutdown()
-    if stopped_by_signal:
-        # The fleet and the local cluster are stopped. Ray's driver library, once it has seen a SIGTERM,
-        # can abort (SIGABRT, exit -6) in its own teardown at interpreter exit; nothing is left to run.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 def _wait_for_signal() -> None:
@@ -81,3 +76,23 @@ def _wait_for_signal() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+
+
+def run_supervised(settings: Settings, *, num_replicas: int) -> int:
+    """`run_local` in a child process; this one turns SIGTERM into the child's SIGINT and returns its
+    exit code. Ray's driver must never see a SIGTERM itself: its failure-signal handler (absl) logs it,
+    calls ours and arms a 3 s SIGALRM whose handler calls abort(), so an orderly shutdown that took
+    longer (replicas flushing usage, under load) ended with SIGABRT (-6) instead of exit 0."""
+    child = multiprocessing.get_context("spawn").Process(
+        target=run_local, args=(settings,), kwargs={"num_replicas": num_replicas}, name="loraserve-fleet"
+    )
+    child.start()
+
+    def forward(*_: object) -> None:
+        if child.pid is not None and child.is_alive():
+            os.kill(child.pid, signal.SIGINT)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    child.join()
+    return child.exitcode if child.exitcode is not None else 1
