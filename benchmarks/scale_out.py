@@ -140,8 +140,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-adapters", type=int, default=6)
     p.add_argument("--max-loras", type=int, default=3, help="adapter slots per replica (Ray's LRU size)")
-    # One more than the slots: with max_cpu_loras == max_loras and every slot holding an adapter, the
-    # host tier drops each newly loaded adapter at once (adapters/cache.py _trim_host) and it reloads forever.
+    # One more host copy than slots: a replica keeps the adapter it just evicted from a slot in memory.
     p.add_argument("--max-cpu-loras", type=int, default=4, help="host-tier adapters per replica")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=16.0, help="Poisson arrival rate, requests/s")
