@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -168,12 +168,14 @@ async def run_choices(state: AppState, plan: GenerationPlan) -> AsyncIterator[tu
     plan.is_started = True
     state.inflight.add(ctx)
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(plan.requests)]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + state.settings.request_timeout_s
+    deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
     try:
         while len(finished) < len(tasks):
             try:
-                index, out = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that lands as the queue hands
+                # over an item (it returns the item instead), and the generation would run to its end.
+                async with asyncio.timeout_at(deadline):
+                    index, out = await queue.get()
             except TimeoutError:
                 ctx.abort_reason = ctx.abort_reason or "timeout"
                 raise RequestTimeout() from None
@@ -226,8 +228,17 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def unless_disconnected(request: Request, ctx: RequestContext, work: Coroutine[Any, Any, T]) -> T:
-    """Run `work`; if the client disconnects first, cancel it (aborting its engine requests)."""
+def abort_plan(state: AppState, plan: GenerationPlan) -> None:
+    """Abort every engine request of the plan now (a no-op for those already finished)."""
+    for request in plan.requests:
+        state.engine.abort(request.request_id)
+
+
+async def unless_disconnected(
+    request: Request, ctx: RequestContext, work: Coroutine[Any, Any, T], on_disconnect: Callable[[], None]
+) -> T:
+    """Run `work`; if the client disconnects first, call `on_disconnect` (it aborts the engine requests,
+    whether or not the cancel reaches `work` at once) and cancel `work`."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -240,6 +251,7 @@ async def unless_disconnected(request: Request, ctx: RequestContext, work: Corou
     if task in done:
         return task.result()
     ctx.abort_reason = ctx.abort_reason or "disconnect"
+    on_disconnect()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

@@ -34,6 +34,7 @@ from api.generation import (
     GenerationPlan,
     RequestTimeout,
     abandon_unstarted,
+    abort_plan,
     collect,
     plan_generation,
     run_choices,
@@ -102,7 +103,9 @@ async def create_completion(
             stream_events(state, plan), on_close, media_type="text/event-stream", headers=headers
         )
     try:
-        finals = await unless_disconnected(request, ctx, _collect(state, plan))
+        finals = await unless_disconnected(
+            request, ctx, _collect(state, plan), on_disconnect=lambda: abort_plan(state, plan)
+        )
     except APIError as exc:
         return exc.response(headers)
     finally:

@@ -234,9 +234,15 @@ class AsyncEngine:
             self._finished.put(out)  # observers may do I/O: never on this thread
             return
         target = self._streams.get(out.request_id)
-        if target is not None:
-            loop, outputs = target
+        if target is None:
+            return
+        loop, outputs = target
+        try:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
+        except RuntimeError:  # the consumer's event loop is closed: nobody will read it, end it now
+            logger.warning("stream of %s has no event loop any more: aborted", out.request_id)
+            self._streams.pop(out.request_id, None)
+            self._deliver_all([self.engine.abort(out.request_id)])
 
     def _dispatch(self) -> None:
         """Dispatcher thread: observers first (usage is recorded before the client sees the end)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -81,3 +82,28 @@ def test_validation_error_before_streaming(async_engine) -> None:
 
     with pytest.raises(ValueError, match="empty"):
         asyncio.run(main())
+
+
+def test_stream_whose_event_loop_closed_is_aborted_and_the_engine_goes_on(async_engine) -> None:
+    """A consumer's event loop that closed without ending its stream (nobody will ever read it): the
+    request is aborted, and the engine thread does not die delivering to that loop."""
+    prompt = random_prompts(1, 500, 8, 8, seed=23)[0]
+    finished = []
+    async_engine.on_finished.append(finished.append)
+    loop = asyncio.new_event_loop()
+    stream = async_engine.generate(
+        EngineRequest("orphan", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
+    )
+    assert loop.run_until_complete(stream.__anext__()).request_id == "orphan"
+    loop.close()  # the stream is neither closed nor read again: no abort was ever asked for
+    for _ in range(1000):
+        if finished:
+            break
+        time.sleep(0.01)
+    assert [(out.request_id, out.finish_reason) for out in finished] == [("orphan", "abort")]
+    assert async_engine.is_healthy and async_engine.fatal_error is None
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    tokens, _, last = asyncio.run(collect(async_engine, EngineRequest("after", prompt, params)))
+    assert len(tokens) == 4 and last.finish_reason == "length"
+    assert async_engine.engine.block_manager.num_used_blocks == 0
+    assert not async_engine.engine.requests

@@ -1,0 +1,108 @@
+"""A consumer that goes away (client disconnect, closed stream) ends its engine requests at once,
+whatever moment the cancel lands at: here, the worst one, while an output is being handed over."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from api.bootstrap import build_state
+from api.deps import Caller
+from api.generation import GenerationPlan, collect, plan_generation
+from api.protocol import CompletionRequest
+from api.responses import admit
+from api.settings import Settings
+from api.state import AppState
+from base_engine.async_engine import EngineRequest
+from base_engine.outputs import RequestOutput
+from registry.keys import key_prefix
+from registry.tenants import create_tenant
+from registry.usage import export_usage
+
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def state(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AppState]:
+    settings = Settings(
+        model=tiny_llama_dir,
+        data_dir=tmp_path_factory.mktemp("cancel"),
+        admin_key="lsa-c",
+        num_kv_blocks=64,
+        max_model_len=256,
+    )
+    state = build_state(settings)
+    state.engine.on_finished.append(state.inflight.on_engine_finished)  # as the app's lifespan does
+    state.engine.start()
+    yield state
+    state.engine.shutdown()
+    assert state.meter is not None
+    state.meter.stop()
+
+
+@pytest.fixture(scope="module")
+def caller(state: AppState) -> Caller:
+    with state.sessions() as session:
+        tenant, key = create_tenant(session, name="cancel")
+    return Caller(tenant=tenant, key_prefix=key_prefix(key))
+
+
+def _plan(state: AppState, caller: Caller) -> GenerationPlan:
+    body = CompletionRequest(model=state.model_name, prompt="Hello", max_tokens=MAX_TOKENS, ignore_eos=True)
+    with state.sessions() as session:
+        return plan_generation(state=state, session=session, caller=caller, body=body, kind="completion")
+
+
+async def _cancel_during_handover(state: AppState, plan: GenerationPlan, after: int) -> None:
+    """Runs `collect` and cancels it just as its queue receives output number `after`: the item is in
+    the consumer's hands but the consumer has not resumed yet."""
+    engine_generate = state.engine.generate
+    consumer: asyncio.Task[list[RequestOutput]] | None = None
+
+    async def handover_then_cancel(request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        seen = 0
+        async for out in engine_generate(request):
+            yield out  # the caller puts it in the consumer's queue before asking for the next one
+            seen += 1
+            if seen == after:
+                await asyncio.sleep(0)
+                assert consumer is not None
+                consumer.cancel()
+
+    state.engine.generate = handover_then_cancel  # type: ignore[method-assign]
+    try:
+        consumer = asyncio.create_task(collect(state, plan))
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+    finally:
+        del state.engine.generate  # back to the class's method
+
+
+@pytest.mark.parametrize("after", [1, 3, 10])
+def test_cancel_landing_as_an_output_is_handed_over_aborts_the_request(
+    state: AppState, caller: Caller, after: int
+) -> None:
+    plan = _plan(state, caller)
+    ticket = admit(state, plan.ctx, len(plan.requests))
+    try:
+        asyncio.run(_cancel_during_handover(state, plan, after))
+    finally:
+        ticket.release(plan.ctx.usage)
+    assert state.meter is not None
+    deadline = time.monotonic() + 30
+    while state.meter.in_flight(plan.ctx.request_id) is not None:  # the engine thread ends it
+        assert time.monotonic() < deadline, "the request never ended"
+        time.sleep(0.01)
+    state.meter.flush()
+    with state.sessions() as session:
+        usage = export_usage(session, tenant_id=caller.tenant.id, limit=10_000).records
+    record = next(r for r in usage if r.request_id == plan.ctx.request_id)
+    # Without the abort the request ran on to MAX_TOKENS ("length") although nobody was reading it.
+    assert record.finish_reason == "abort"
+    assert after <= record.completion_tokens < MAX_TOKENS
+    assert state.engine.is_healthy and state.engine.fatal_error is None
+    assert state.engine.engine.block_manager.num_used_blocks == 0 and not state.engine.engine.requests
