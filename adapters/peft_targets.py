@@ -1,0 +1,173 @@
+"""Which modules a PEFT LoRA config targets on a llama/mistral/qwen2 base model, following
+`peft.tuners.tuners_utils.check_target_module_exists`: a `target_modules` string is a regex full match, a
+list matches exact names or `.`-suffixes, `exclude_modules` first, then `layers_to_transform` /
+`layers_pattern`. Tenant regexes are matched by RE2 (adapters/safe_regex.py); anything outside the
+seven projections is refused."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters.peft_fields import check_pattern_budget
+from adapters.safe_regex import LinearPattern, PatternCache
+from adapters.types import LORA_MODULES, AdapterFormatError, BaseModelShapes
+
+# PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING entry for all three architectures, used when
+# the saved config has `target_modules: null`.
+DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "v_proj")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+_PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def module_keys(base: BaseModelShapes) -> list[str]:
+    """Every `named_modules()` key of the transformers *ForCausalLM model for llama/mistral/qwen2."""
+    keys = ["", "model", "model.embed_tokens", "model.layers"]
+    for i in range(base.num_layers):
+        layer = f"model.layers.{i}"
+        keys += [layer, f"{layer}.self_attn"]
+        keys += [f"{layer}.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        keys += [f"{layer}.mlp"] + [f"{layer}.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+        keys += [f"{layer}.mlp.act_fn", f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
+    return keys + ["model.norm", "model.rotary_emb", "lm_head"]
+
+
+def projection_key(layer: int, module: str) -> str:
+    """ "model.layers.0.self_attn.q_proj" for (0, "q_proj")."""
+    return f"model.layers.{layer}.{_PARENT[module]}.{module}"
+
+
+def _str_or_list(cfg: dict[str, Any], name: str) -> str | list[str] | None:
+    value = cfg.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise AdapterFormatError(f"adapter_config.json: {name}={value!r}, expected a string or a list of strings")
+
+
+def _layer_indexes(cfg: dict[str, Any], base: BaseModelShapes) -> list[int] | None:
+    value = cfg.get("layers_to_transform")
+    if value is None:
+        return None
+    indexes = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(indexes, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in indexes
+    ):
+        raise AdapterFormatError(f"layers_to_transform={value!r}, expected an int or a list of ints")
+    bad = [i for i in indexes if not 0 <= i < base.num_layers]
+    if bad:
+        raise AdapterFormatError(
+            f"layers_to_transform={value!r} names layers {bad} that do not exist; the base model has "
+            f"{base.num_layers} layers (0..{base.num_layers - 1})"
+        )
+    return indexes
+
+
+def _layer_index(key: str, layers_pattern: str | list[str] | None, cache: PatternCache) -> int | None:
+    # Same regexes as PEFT: the first numbered segment after the layers pattern (any pattern when empty).
+    if not layers_pattern:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)  # fixed pattern, no tenant input
+        return int(match.group("idx")) if match else None
+    for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern:
+        found = _layers_regex(cache, pattern).match(key)
+        if found is not None:
+            return int(found.group(b"idx"))  # RE2 runs on bytes (adapters/safe_regex.py)
+    return None
+
+
+def _layers_regex(cache: PatternCache, pattern: str) -> LinearPattern:
+    return cache.get("layers_pattern", pattern, r"(?:^|.*?\.){}\.(?P<idx>\d+)\.")
+
+
+@dataclass(frozen=True)
+class _Targets:
+    modules: str | set[str]  # a regex (full match) or names matched exactly or as a dotted suffix
+    exclude: str | list[str] | None
+    layer_indexes: list[int] | None
+    layers_pattern: str | list[str] | None
+    patterns: PatternCache = field(default_factory=PatternCache, compare=False, repr=False)
+
+    def matches(self, key: str) -> bool:
+        """peft.tuners.tuners_utils.check_target_module_exists, restricted to LoRA's fields."""
+        with self.patterns.timed():
+            return self._matches(key)
+
+    def _matches(self, key: str) -> bool:
+        if isinstance(self.exclude, str):
+            if self.patterns.get("exclude_modules", self.exclude).fullmatch(key):
+                return False
+        elif self.exclude and (key in self.exclude or any(key.endswith(f".{e}") for e in self.exclude)):
+            return False
+        if isinstance(self.modules, str):
+            return self.patterns.get("target_modules", self.modules).fullmatch(key) is not None
+        if key in self.modules:  # an exact name skips the layer filter, as in PEFT
+            return True
+        if not any(key.endswith(f".{t}") for t in self.modules):
+            return False
+        if not self.layer_indexes:
+            return True
+        return _layer_index(key, self.layers_pattern, self.patterns) in self.layer_indexes
+
+
+def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
+    check_pattern_budget(cfg)
+    modules = _str_or_list(cfg, "target_modules")
+    exclude = _str_or_list(cfg, "exclude_modules")
+    layers_pattern = _str_or_list(cfg, "layers_pattern")
+    layer_indexes = _layer_indexes(cfg, base)
+    if isinstance(modules, str) and (layer_indexes is not None or layers_pattern is not None):
+        raise AdapterFormatError(
+            "layers_to_transform/layers_pattern cannot be used when target_modules is a str"
+        )
+    if layers_pattern and layer_indexes is None:
+        raise AdapterFormatError(f"layers_pattern={layers_pattern!r} is set without layers_to_transform")
+    cache = PatternCache()
+    with cache.timed():
+        for name, value in (("target_modules", modules), ("exclude_modules", exclude)):
+            if isinstance(value, str):
+                cache.get(name, value)
+        for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern or []:
+            _layers_regex(cache, pattern)
+    if modules is None:
+        modules = list(DEFAULT_TARGET_MODULES)
+    if isinstance(modules, list):
+        # PEFT silently drops a list entry that names no module; for us that is an unmapped weight set.
+        keys = module_keys(base)
+        for name in modules:
+            if not any(key == name or key.endswith(f".{name}") for key in keys):
+                raise AdapterFormatError(
+                    f"target_modules entry {name!r} names no module of a {base.model_type} model; "
+                    f"expected projections from {LORA_MODULES}"
+                )
+    if isinstance(modules, str) and modules.lower() == "all-linear":
+        # PEFT expands this to every nn.Linear but the output embedding: exactly the seven projections.
+        modules = [projection_key(i, m) for i in range(base.num_layers) for m in LORA_MODULES]
+    return _Targets(
+        modules if isinstance(modules, str) else set(modules), exclude, layer_indexes, layers_pattern, cache
+    )
+
+
+def resolve_targets(cfg: dict[str, Any], base: BaseModelShapes) -> dict[str, tuple[int, str]]:
+    """Module key -> (layer, projection) for every module PEFT would wrap with LoRA on this base model."""
+    targets = _parse_targets(cfg, base)
+    resolved: dict[str, tuple[int, str]] = {}
+    for key in module_keys(base):
+        if not targets.matches(key):
+            continue
+        found = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)", key)
+        if found is None or found.group(2) not in LORA_MODULES:
+            raise AdapterFormatError(
+                f"target_modules={cfg.get('target_modules')!r} selects {key!r}, which is not one of the "
+                f"projections {LORA_MODULES}; LoRA on embeddings, lm_head or other modules is not supported"
+            )
+        resolved[key] = (int(found.group(1)), found.group(2))
+    if not resolved:
+        raise AdapterFormatError(
+            "adapter targets no projection of the base model "
+            f"(target_modules={cfg.get('target_modules')!r}, exclude_modules={cfg.get('exclude_modules')!r}, "
+            f"layers_to_transform={cfg.get('layers_to_transform')!r}, "
+            f"layers_pattern={cfg.get('layers_pattern')!r})"
+        )
+    return resolved
