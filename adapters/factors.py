@@ -1,0 +1,112 @@
+"""From a checked weights file to each targeted projection's factors: PEFT tensor names
+(`base_model.model.<module key>.lora_A.weight` [r, in], `...lora_B.weight` [out, r], optionally
+`.default`) mapped to module keys, every other tensor refused naming the feature it belongs to; shapes
+and finiteness checked in the serving dtype; and the bound that keeps `scale * B (A x)` from overflowing
+it."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from adapters.types import AdapterFormatError, AdapterValidationError, BaseModelShapes
+
+_PREFIX = "base_model.model."
+_LORA_TENSOR = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight")
+_VELORA_TENSOR = re.compile(r"(?P<module>.+)\.lora_velora_embed(?:\.default)?")
+# Tensor-name fragments PEFT writes for features we refuse, so the error says which feature it was.
+_KNOWN_REFUSED = {
+    "lora_magnitude_vector": "DoRA magnitude vector (use_dora)",
+    "lora_embedding_": "LoRA on an embedding",
+    ".bias": "a LoRA or base bias (lora_bias / bias)",
+    "trainable_tokens": "trainable token rows (trainable_token_indices)",
+    "base_layer": "a full base-module weight",
+    "modules_to_save": "a full module copy (modules_to_save)",
+}
+
+
+def split_tensors(
+    tensors: dict[str, torch.Tensor], targets: dict[str, tuple[int, str]], base: BaseModelShapes, velora: bool
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Module key -> {"A": tensor, "B": tensor}; any tensor not for a targeted projection is refused."""
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        key = name.removeprefix(_PREFIX)
+        found = _LORA_TENSOR.fullmatch(key) if name.startswith(_PREFIX) else None
+        if found is None:
+            if velora and name.startswith(_PREFIX) and _VELORA_TENSOR.fullmatch(key):
+                continue  # VeLoRA's buffer only feeds its training-time backward pass
+            what = next((why for frag, why in _KNOWN_REFUSED.items() if frag in name), "an unknown tensor")
+            raise AdapterFormatError(
+                f"tensor {name!r} is {what}; expected only {_PREFIX}<module>.lora_A.weight / .lora_B.weight"
+            )
+        module = found.group("module")
+        if module not in targets:
+            layer = re.match(r"model\.layers\.(\d+)\.", module)
+            if layer and int(layer.group(1)) >= base.num_layers:
+                raise AdapterFormatError(
+                    f"tensor {name!r} is for layer {layer.group(1)}, which does not exist: the base model "
+                    f"has {base.num_layers} layers"
+                )
+            raise AdapterFormatError(
+                f"tensor {name!r} is for module {module!r}, which adapter_config.json does not target"
+            )
+        pair = by_module.setdefault(module, {})
+        if found.group("which") in pair:
+            raise AdapterFormatError(f"tensor {name!r} duplicates lora_{found.group('which')} of {module!r}")
+        pair[found.group("which")] = tensor
+    return by_module
+
+
+def checked_factors(
+    key: str, module: str, pair: dict[str, torch.Tensor], r: int, base: BaseModelShapes, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of one targeted module as `dtype`, after checking presence, shapes and finiteness."""
+    if "A" not in pair or "B" not in pair:
+        missing = [f"{_PREFIX}{key}.lora_{w}.weight" for w in "AB" if w not in pair]
+        raise AdapterFormatError(f"adapter_config.json targets {key!r} but tensors {missing} are missing")
+    in_features, out_features = base.module_shape(module)
+    expected = {"A": (r, in_features), "B": (out_features, r)}  # A [r, in], B [out, r]
+    factors = []
+    for which in "AB":
+        name = f"{_PREFIX}{key}.lora_{which}.weight"
+        if tuple(pair[which].shape) != expected[which]:
+            raise AdapterFormatError(
+                f"tensor {name} has shape {tuple(pair[which].shape)}, expected {expected[which]} "
+                f"(r={r}, base {module} in={in_features}, out={out_features})"
+            )
+        factor = pair[which].to(dtype).contiguous()
+        # Checked after the cast, so an fp32 value that overflows the serving dtype is caught too.
+        if not bool(torch.isfinite(factor).all()):
+            raise AdapterValidationError(f"tensor {name} has non-finite values (checked as {dtype})")
+        factors.append(factor)
+    return factors[0], factors[1]
+
+
+def max_activation(dtype: torch.dtype) -> float:
+    """The largest hidden-state magnitude the delta bound allows for: 2^16 (far above what real
+    checkpoints reach) or sqrt(max) of the serving dtype, whichever is smaller (256 for fp16)."""
+    return min(65536.0, math.sqrt(torch.finfo(dtype).max))
+
+
+def check_delta_bound(key: str, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> None:
+    """Refuse factors whose delta can overflow `dtype` for an input with |x_j| <= max_activation.
+
+    With infinity norms (max absolute row sum; submultiplicative, so a bound without forming B @ A):
+    shrink |A x| <= ||A|| X and delta |scale B A x| <= |scale| ||B|| ||A|| X must stay <= finfo.max.
+    A NaN/Inf lora_alpha (JSON allows both) fails the same check.
+    """
+    limit = torch.finfo(dtype).max
+    x_max = max_activation(dtype)
+    norm_a = float(a.double().abs().sum(dim=1).max())  # ||A||_inf, A [r, in]
+    norm_b = float(b.double().abs().sum(dim=1).max())  # ||B||_inf, B [out, r]
+    if not math.isfinite(scale):
+        raise AdapterValidationError(f"{key}: scale {scale} (from lora_alpha / r) is not a finite number")
+    shrink, delta = norm_a * x_max, abs(scale) * norm_b * norm_a * x_max
+    if not (shrink <= limit and delta <= limit):
+        raise AdapterValidationError(
+            f"{key}: the LoRA delta can overflow {dtype}: |scale| * ||B||_inf * ||A||_inf * {x_max:g} = "
+            f"{delta:.3g} (and ||A||_inf * {x_max:g} = {shrink:.3g}); expected both <= {limit:.3g}"
+        )
