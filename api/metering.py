@@ -22,9 +22,7 @@ in front of it (line format in api/usage_journal.py):
   modification time.
 
 Locks. `_lock` guards the in-memory state and the journal handle; the request path only ever takes
-it for a dictionary update and at most one buffered line written to the operating system (no
-fsync). `fsync` runs on the background threads under `_sync_lock` alone (which the request path
-never takes), so a slow disk delays durability, never a request or the engine.
+it for a dictionary update and one buffered journal line (no fsync: api/usage_journal_file.py).
 
 Crash bound. `begin` and `finish` lines reach the operating system before those calls return;
 progress lines at most `progress_interval_s` (0.5 s) after the client was sent the tokens; the
@@ -46,26 +44,16 @@ only replays rows that already exist.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
 
 from sqlalchemy.orm import Session
 
-from api.usage_journal import (
-    InFlightRequest,
-    Progress,
-    begin_line,
-    finish_line,
-    fsync_dir,
-    open_journal,
-    progress_line,
-    replay,
-)
+from api.usage_journal import InFlightRequest, Progress, begin_line, finish_line, progress_line, replay
+from api.usage_journal_file import JournalFile
 from registry.provenance import Provenance
 from registry.usage import UsageRecord, write_usage
 
@@ -94,22 +82,24 @@ class UsageMeter:
             )
         self.session_factory = session_factory
         self.journal_path = Path(journal_path)
-        self.successor_path = self.journal_path.with_name(self.journal_path.name + ".next")
         self.flush_interval_s = flush_interval_s
         self.batch_size = batch_size
         self.progress_interval_s = progress_interval_s
-        self._lock = threading.Lock()  # journal handle, _open, _moved, _buffer, _recent, _is_dirty
+        self._lock = threading.Lock()  # journal handle, _open, _moved, _buffer, _recent
         self._flush_lock = threading.Lock()  # one flush at a time: batches commit in finish order
-        self._sync_lock = threading.Lock()  # fsync vs. compaction swapping the journal file
         self._open: dict[str, InFlightRequest] = {}
         self._moved: set[str] = set()  # open requests whose progress is not journaled yet
         self._buffer: list[UsageRecord] = []
         self._recent: OrderedDict[str, None] = OrderedDict()
-        self._journal: IO[str] | None = None
-        self._is_dirty = False  # journal lines written since the last fsync
+        self._journal = JournalFile(self.journal_path, self._lock)
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+
+    @property
+    def successor_path(self) -> Path:
+        """Where compaction writes the journal's successor before renaming it over the journal."""
+        return self._journal.successor_path
 
     @property
     def num_in_flight(self) -> int:
@@ -127,14 +117,12 @@ class UsageMeter:
 
         Call once at start-up, before `start()`. Records already in the database are skipped.
         """
-        if self._journal is not None:
+        if self._journal.is_open:
             raise RuntimeError("recover() must run before start(): the journal now holds live requests")
-        # A crash during compaction leaves the old file and its successor: read both, in that order.
-        paths = [p for p in (self.journal_path, self.successor_path) if p.exists()]
+        paths = self._journal.leftover_paths()
         if not paths:
             return 0
-        crashed_at = datetime.fromtimestamp(max(p.stat().st_mtime for p in paths), UTC)
-        records, num_aborted = replay(paths, crashed_at)
+        records, num_aborted = replay(paths, crashed_at=self._journal.last_modified(paths))
         inserted = self._write(records)
         for path in paths:
             path.unlink()
@@ -148,10 +136,9 @@ class UsageMeter:
 
     def start(self) -> None:
         """Open the journal and start the flusher (database) and journal (progress, fsync) threads."""
-        if self._journal is not None:
+        if self._journal.is_open:
             raise RuntimeError("UsageMeter already started")
-        self.journal_path.parent.mkdir(parents=True, exist_ok=True)
-        self._journal = open_journal(self.journal_path)
+        self._journal.open()
         self._stopping.clear()
         self._threads = [
             threading.Thread(target=self._run_flusher, name="loraserve-usage-flusher", daemon=True),
@@ -172,13 +159,7 @@ class UsageMeter:
         except Exception:
             logger.exception("usage flush at stop failed; %d records stay in the journal", len(self._buffer))
         self.write_progress()
-        with self._sync_lock:
-            with self._lock:
-                journal, self._journal = self._journal, None
-            if journal is not None:
-                journal.flush()
-                os.fsync(journal.fileno())
-                journal.close()
+        self._journal.close()
 
     # ---- the request path ---------------------------------------------------------------------
 
@@ -208,13 +189,11 @@ class UsageMeter:
             provenance=provenance,
         )
         with self._lock:
-            journal = self._require_started()
+            self._require_started()
             if request_id in self._open or request_id in self._recent:
                 raise ValueError(f"request id {request_id!r} was already metered; request ids must be unique")
             self._open[request_id] = req
-            journal.write(begin_line(req))
-            journal.flush()
-            self._is_dirty = True
+            self._journal.append(begin_line(req))
 
     def progress(self, request_id: str, *, completion_tokens: int, cached_prompt_tokens: int = 0) -> None:
         """Note what a running request's client has been sent so far (totals, not increments).
@@ -236,7 +215,7 @@ class UsageMeter:
         Thread-safe and non-blocking apart from one buffered journal write.
         """
         with self._lock:
-            journal = self._require_started()
+            self._require_started()
             if record.request_id in self._recent:
                 logger.warning("usage for request %s reported twice; keeping the first", record.request_id)
                 return False
@@ -246,9 +225,7 @@ class UsageMeter:
             self._open.pop(record.request_id, None)
             self._moved.discard(record.request_id)
             self._buffer.append(record)
-            journal.write(finish_line(record))
-            journal.flush()
-            self._is_dirty = True
+            self._journal.append(finish_line(record))
             is_full = len(self._buffer) >= self.batch_size
         if is_full:
             self._wake.set()
@@ -277,27 +254,24 @@ class UsageMeter:
                     with self._lock:
                         self._buffer[:0] = batch  # keep finish order for the retry
                     raise
-                self._compact()
+                self._journal.compact(self._unbilled_lines)  # the written records leave the journal
         return inserted
 
     def write_progress(self) -> int:
         """Append a progress line for every request that moved since the last call; returns how many."""
         with self._lock:
-            if self._journal is None or not self._moved:
+            if not self._journal.is_open or not self._moved:
                 return 0
             lines = [progress_line(self._open[rid]) for rid in self._moved if rid in self._open]
             self._moved.clear()
-            self._journal.write("".join(lines))
-            self._journal.flush()
-            self._is_dirty = True
+            self._journal.append("".join(lines))
         return len(lines)
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _require_started(self) -> IO[str]:
-        if self._journal is None:
+    def _require_started(self) -> None:
+        if not self._journal.is_open:
             raise RuntimeError("UsageMeter is not started (call start(), after recover())")
-        return self._journal
 
     def _write(self, records: list[UsageRecord]) -> int:
         inserted = 0
@@ -306,35 +280,13 @@ class UsageMeter:
                 inserted += write_usage(session, records[i : i + self.batch_size])
         return inserted
 
-    def _compact(self) -> None:
-        """Hand the journal over to a successor holding only what is still unbilled: open requests
-        (with their progress) and unwritten records; then make the successor durable and rename it
-        over the old file. Lines appended meanwhile go to the successor, so none is lost; a crash
-        before the rename leaves both files, and `recover` reads both."""
-        with self._sync_lock:
-            with self._lock:
-                if self._journal is None:
-                    return
-                successor = open_journal(self.successor_path, truncate=True)
-                successor.writelines(begin_line(req) for req in self._open.values())
-                successor.writelines(finish_line(rec) for rec in self._buffer)
-                successor.flush()  # into the OS; the fsync below runs without _lock
-                old, self._journal = self._journal, successor
-                self._moved.clear()  # the begin lines above carry every request's progress
-                self._is_dirty = True
-            old.close()
-            os.fsync(successor.fileno())
-            os.replace(self.successor_path, self.journal_path)
-            fsync_dir(self.journal_path.parent)
-
-    def _fsync_journal(self) -> None:
-        with self._sync_lock:  # no compaction can close the file meanwhile
-            with self._lock:
-                if self._journal is None or not self._is_dirty:
-                    return
-                fd = self._journal.fileno()
-                self._is_dirty = False
-            os.fsync(fd)
+    def _unbilled_lines(self) -> list[str]:
+        """What a compacted journal starts with: open requests (with their progress) and unwritten
+        records. Called under _lock by JournalFile.compact; the begin lines carry all progress."""
+        lines = [begin_line(req) for req in self._open.values()]
+        lines += [finish_line(rec) for rec in self._buffer]
+        self._moved.clear()
+        return lines
 
     def _run_flusher(self) -> None:
         while not self._stopping.is_set():
@@ -350,6 +302,6 @@ class UsageMeter:
         while not self._stopping.wait(self.progress_interval_s):
             try:
                 self.write_progress()
-                self._fsync_journal()
+                self._journal.fsync()
             except Exception:
                 logger.exception("usage journal write failed")
