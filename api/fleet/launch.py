@@ -50,6 +50,7 @@ def run_local(settings: Settings, *, num_replicas: int) -> None:
     import ray
     from ray import serve
 
+    from api.fleet.proxy_headers import proxy_env
     from api.fleet.ray_app import build_app
 
     if not logging.getLogger().handlers:  # a spawned child (run_supervised) starts unconfigured
@@ -58,6 +59,7 @@ def run_local(settings: Settings, *, num_replicas: int) -> None:
         )
     args = prepare_deploy(settings)
     num_cpus = os.cpu_count() or 1
+    os.environ.update(proxy_env())  # the local Ray's proxy inherits it: one X-Request-Id per response
     ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
@@ -66,6 +68,8 @@ def run_local(settings: Settings, *, num_replicas: int) -> None:
         serve.run(app, name=APP_NAME, route_prefix="/")
         logger.info("fleet of %d replicas at http://%s:%d/v1", num_replicas, settings.host, settings.port)
         _wait_for_signal()
+    except KeyboardInterrupt:  # SIGINT before _wait_for_signal: serve.run may still be waiting for the
+        logger.info("stopping before the fleet was fully up")  # app to be RUNNING while it serves
     finally:
         serve.shutdown()  # replicas flush usage and stop their engines (LoraReplica.__del__)
         ray.shutdown()

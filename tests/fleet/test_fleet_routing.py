@@ -168,3 +168,29 @@ def test_serve_replicas_refuses_sqlite_and_local_store_naming_each(tmp_path: Pat
     for needed in ("--replicas 2", "PostgreSQL", "s3://", "LORASERVE_ADMIN_KEY"):
         assert needed in result.stderr, result.stderr
     assert not (tmp_path / "data").exists()  # nothing written, no model fetched
+
+
+def test_a_response_through_rays_proxy_carries_one_request_id() -> None:
+    """Ray's proxy wraps every app in its RequestIdMiddleware, which appends its own X-Request-ID even
+    when the app set one; our proxy callback's middleware around it keeps only the app's."""
+    import httpx
+    from ray.serve._private.http_util import RequestIdMiddleware  # what Ray's proxy wraps apps in
+
+    from api.fleet.proxy_headers import CALLBACK, OneRequestId, proxy_env
+
+    def app(headers: dict[str, str]) -> Starlette:
+        async def ok(_: Request) -> JSONResponse:
+            return JSONResponse({}, headers=headers)
+
+        return Starlette(routes=[StarletteRoute("/", ok)])
+
+    async def ids(asgi: object) -> list[str]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(asgi), base_url="http://t") as client:
+            return (await client.get("/")).headers.get_list("x-request-id")
+
+    ours = {"X-Request-Id": "cmpl-ours"}
+    assert asyncio.run(ids(RequestIdMiddleware(app(ours))))[0] == "cmpl-ours"  # and Ray's after it
+    assert len(asyncio.run(ids(RequestIdMiddleware(app(ours))))) == 2
+    assert asyncio.run(ids(OneRequestId(RequestIdMiddleware(app(ours))))) == ["cmpl-ours"]
+    assert len(asyncio.run(ids(OneRequestId(RequestIdMiddleware(app({})))))) == 1  # Ray's own stays
+    assert proxy_env() == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": CALLBACK}

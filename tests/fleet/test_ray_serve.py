@@ -122,8 +122,11 @@ class Fleet:
 
 
 def request_id(response: httpx.Response) -> str:
-    """Our X-Request-Id: the first one (Ray's HTTP proxy appends its own, which it always does)."""
-    return response.headers.get_list("x-request-id")[0]
+    """Our X-Request-Id, the only one (Ray's proxy appends its own unless api/fleet/proxy_headers.py
+    removes it)."""
+    ids = response.headers.get_list("x-request-id")
+    assert len(ids) == 1, ids
+    return ids[0]
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
@@ -154,6 +157,7 @@ def test_loraserve_serve_replicas_2_runs_the_fleet_and_stops_on_sigterm(
         with ThreadPoolExecutor(6) as pool:  # concurrent, so Ray's router spreads them
             answers = list(pool.map(lambda _: fleet.complete(key, MODEL, max_tokens=16), range(12)))
         assert [r.status_code for r in answers] == [200] * 12, [r.text for r in answers]
+        assert all(request_id(r).startswith("cmpl-") for r in answers)  # one id, ours, through Ray
         ready = _ready_replicas(fleet, want=2)  # each replica's own heartbeat: both up and serving
         assert {r.headers["x-loraserve-replica"] for r in answers} <= ready
     finally:
@@ -166,6 +170,7 @@ def fleet(
     tiny_llama_dir: Path, postgres_url: str, s3_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
     from api.fleet.launch import prepare_deploy
+    from api.fleet.proxy_headers import proxy_env
     from api.fleet.ray_app import build_app
     from api.settings import load_settings
 
@@ -181,6 +186,9 @@ def fleet(
     )  # fmt: skip
     args = prepare_deploy(settings)  # migrations once, as `loraserve serve --replicas 2` does
     port = free_port()
+    monkeypatch = pytest.MonkeyPatch()
+    for name, value in proxy_env().items():  # as `loraserve serve --replicas` sets it
+        monkeypatch.setenv(name, value)
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -191,6 +199,7 @@ def fleet(
     finally:
         serve.shutdown()
         ray.shutdown()
+        monkeypatch.undo()
 
 
 @pytest.fixture(scope="module")
