@@ -68,6 +68,7 @@ class AsyncEngine:
         self._stats = engine.stats()
         self.num_consecutive_failures = 0  # failed steps since the last good one
         self.fatal_error: str | None = None  # set when the engine thread itself died
+        self._idle_error: str | None = None  # the last idle housekeeping failure, logged once
         self.on_finished: list[Callable[[RequestOutput], None]] = []  # called on the dispatcher thread
 
     def start(self) -> None:
@@ -204,7 +205,15 @@ class AsyncEngine:
                 logger.exception("engine command failed; the engine goes on")
 
     def _idle(self) -> None:
-        self.engine.lora.housekeeping()
+        try:
+            self.engine.lora.housekeeping()
+        except Exception as exc:  # noqa: BLE001 - e.g. placing a pinned adapter failed: retried next idle
+            error = f"{type(exc).__name__}: {exc}"
+            if error != self._idle_error:  # once per distinct failure, not 20 times a second
+                logger.exception("adapter housekeeping failed while idle; retrying")
+            self._idle_error = error
+        else:
+            self._idle_error = None
         self._stats = self.engine.stats()
         self._wake.wait(self.idle_wait_s)
         self._wake.clear()

@@ -1,8 +1,8 @@
 """The engine thread survives anything a request does, and never waits on an observer's I/O.
 
 Faults are injected at each point a request reaches the engine thread: a queued command (abort, add,
-any call), an adapter failure, the model step (once, and every time), and a slow `on_finished`
-observer (metering's journal under a slow fsync).
+any call), idle housekeeping, an adapter failure, the model step (once, and every time), and a slow
+`on_finished` observer (metering's journal under a slow fsync).
 """
 
 from __future__ import annotations
@@ -58,6 +58,22 @@ def test_failing_commands_do_not_stop_the_engine(engine, monkeypatch) -> None:
     out = asyncio.run(_run(engine, "after"))
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     assert engine.is_healthy
+
+
+def test_failing_idle_housekeeping_does_not_stop_the_engine(engine, monkeypatch, caplog) -> None:
+    calls = []
+
+    def broken_housekeeping() -> None:
+        calls.append(1)
+        raise OSError("injected: the disk tier is unreadable")
+
+    monkeypatch.setattr(engine.engine.lora, "housekeeping", broken_housekeeping)
+    _wait_for(lambda: len(calls) >= 3)  # the idle loop ran it (and failed) again and again
+    assert engine.is_healthy and engine.fatal_error is None
+    assert caplog.text.count("adapter housekeeping failed while idle") == 1  # logged once, not per try
+    monkeypatch.undo()
+    out = asyncio.run(_run(engine, "after"))
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
 def test_failing_add_fails_only_that_request(engine, monkeypatch) -> None:
