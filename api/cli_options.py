@@ -1,0 +1,40 @@
+"""Options shared by several `loraserve` commands (api/cli.py, api/serve_cli.py), and the help suffix
+that shows a `Settings` field's default.
+
+Separate so that `serve` (api/serve_cli.py) and the other commands (api/cli.py) declare the same
+`--model`, `--data-dir`, `--db` and `--registry` without importing each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from api.settings import Settings
+
+
+def settings_default(name: str, when_none: str = "set by the server") -> str:
+    """The help suffix "[default: X]" of the Settings field `name` (options default to None: settings)."""
+    value = Settings.model_fields[name].default
+    return f"[default: {when_none if value is None else value}]"
+
+
+ModelOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="HF checkpoint directory, .gguf file (converted once, cached by hash), 'smollm2' or "
+        "'random-demo' (tests) [default: SmolLM2-135M-Instruct, fetched and converted once]"
+    ),
+]
+DataDirOpt = Annotated[Path | None, typer.Option(help="data directory [default: ./loraserve-data]")]
+DbOpt = Annotated[str | None, typer.Option(help="SQLAlchemy URL [default: SQLite in the data dir]")]
+RegistryOpt = Annotated[
+    str | None, typer.Option(help="file:///dir or s3://bucket/prefix [default: data dir]")
+]
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,169 @@
+"""`loraserve serve`: its options (each overrides a `LORASERVE_*` setting, api/settings.py) and the
+start-up: fleet checks, device check, model source, state, and the server; or, with `--replicas N`
+/ `--ray`, the fleet on a local Ray Serve (api/fleet/launch.py).
+
+Separate from api/cli.py (the command groups and the commands that work on the database directly)
+because `serve` alone has some thirty options.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from api.cli_options import DataDirOpt, DbOpt, ModelOpt, RegistryOpt, setup_logging
+from api.cli_options import settings_default as _default
+from api.settings import Settings, load_settings
+
+
+def serve(
+    model: ModelOpt = None,
+    data_dir: DataDirOpt = None,
+    db: DbOpt = None,
+    registry: RegistryOpt = None,
+    host: Annotated[str | None, typer.Option(help=f"address to bind {_default('host')}")] = None,
+    port: Annotated[int | None, typer.Option(help=f"port to listen on {_default('port')}")] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="name clients send as `model` [default: the model directory's name]")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help=f"cpu | cuda {_default('device')}")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help=f"auto | float32 | bfloat16 | float16 {_default('dtype')}")
+    ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="longest prompt + completion in tokens [default: the model's]")
+    ] = None,
+    max_num_seqs: Annotated[
+        int | None, typer.Option(help=f"requests decoded together {_default('max_num_seqs')}")
+    ] = None,
+    max_num_batched_tokens: Annotated[
+        int | None, typer.Option(help=f"tokens per engine step {_default('max_num_batched_tokens')}")
+    ] = None,
+    num_kv_blocks: Annotated[
+        int | None, typer.Option(help="KV cache blocks [default: sized from the memory budget]")
+    ] = None,
+    max_loras: Annotated[
+        int | None, typer.Option(help=f"adapters resident on the device {_default('max_loras')}")
+    ] = None,
+    max_cpu_loras: Annotated[
+        int | None, typer.Option(help=f"adapters kept in host memory {_default('max_cpu_loras')}")
+    ] = None,
+    max_lora_rank: Annotated[
+        int | None, typer.Option(help=f"largest adapter rank accepted {_default('max_lora_rank')}")
+    ] = None,
+    max_queue_len: Annotated[
+        int | None, typer.Option(help=f"waiting engine requests before 503 {_default('max_queue_len')}")
+    ] = None,
+    request_timeout_s: Annotated[
+        float | None, typer.Option(help=f"per-request deadline in seconds {_default('request_timeout_s')}")
+    ] = None,
+    drain_timeout_s: Annotated[
+        float | None, typer.Option(help=f"SIGTERM grace period in seconds {_default('drain_timeout_s')}")
+    ] = None,
+    max_upload_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="largest adapter upload body in bytes "
+            + _default("max_upload_bytes", "derived from the base model")
+        ),
+    ] = None,
+    log_level: Annotated[
+        str | None, typer.Option(help=f"debug | info | warning | error {_default('log_level')}")
+    ] = None,
+    deterministic: Annotated[
+        bool | None,
+        typer.Option(
+            "--deterministic",
+            help="run every request batch-invariant, as `deterministic: true` asks (a request's "
+            "`deterministic: false` is overruled) [default: per request]",
+        ),
+    ] = None,
+    fleet: Annotated[
+        bool | None,
+        typer.Option(
+            "--fleet",
+            help="run as one replica of a fleet: needs a PostgreSQL db, an s3:// registry and "
+            "LORASERVE_ADMIN_KEY; migrations only by `loraserve db upgrade` [default: a single process]",
+        ),
+    ] = None,
+    replica_id: Annotated[
+        str | None,
+        typer.Option(
+            help="this replica's name in a fleet (/admin/api/fleet, metrics) [default: <host>-<pid>]"
+        ),
+    ] = None,
+    replicas: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            show_default=False,
+            help="engine replicas behind one entry point, on a local Ray Serve (more than 1 needs what a "
+            "fleet needs: a PostgreSQL db, an s3:// registry, LORASERVE_ADMIN_KEY) [default: 1, no Ray]",
+        ),
+    ] = 1,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray", help="run on Ray Serve even with one replica [default: off]", show_default=False
+        ),
+    ] = False,
+) -> None:
+    """Serve the OpenAI-compatible API, adapter uploads and the admin API."""
+    options = dict(locals())
+    # Issue 16 part B: --replicas N > 1 / --ray deploy the fleet on a local Ray (api/fleet/launch.py).
+    num_replicas, use_ray = options.pop("replicas"), options.pop("ray")
+    if num_replicas > 1 or use_ray:
+        _serve_on_ray(load_settings(**options), num_replicas)
+        return
+    settings = load_settings(**options)
+    from api.fleet_start import FleetStartError, check_fleet_settings
+
+    try:
+        check_fleet_settings(settings)  # before any model is fetched or any file written
+    except FleetStartError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    setup_logging(settings.log_level)
+    from base_engine.engine import check_device
+
+    try:
+        check_device(settings.device)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from None
+    from api.app import create_app
+    from api.bootstrap import banner, build_state
+    from api.server import run
+
+    try:
+        source = settings.model_source
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
+    if source.kind == "random-demo":
+        typer.echo(f"Using the random-weight demo model in {settings.demo_model_dir}")
+    elif source.kind == "default":
+        typer.echo(f"Serving the default model {source.served_name} (models kept in {settings.models_path})")
+    os.umask(0o077)  # whatever the server writes is private to its user (api/keyfiles.py)
+    try:
+        state = build_state(settings)
+    except FleetStartError as exc:  # e.g. the shared database is not migrated
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(banner(state))
+    run(create_app(state), state)
+
+
+def _serve_on_ray(settings: Settings, num_replicas: int) -> None:
+    from api.fleet.launch import fleet_problems, run_supervised
+
+    setup_logging(settings.log_level)
+    problems = fleet_problems(settings)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        typer.echo(f"error: --replicas {num_replicas} runs a fleet, which needs:\n{lines}", err=True)
+        raise typer.Exit(2)
+    os.umask(0o077)
+    code = run_supervised(settings, num_replicas=num_replicas)
+    if code:
+        raise typer.Exit(code if code > 0 else 1)
