@@ -52,19 +52,22 @@ def _softmax_step(acc, l_i, m_i, s, allowed, v, PRECISION: tl.constexpr, UPCAST:
 
 
 @triton.jit
-def _kv_offsets(
-    bt_row, pos, valid, kvh, offs_d, stride_btn, stride_cb, stride_cs, stride_ch, stride_cd,
-    BLOCK_SIZE: tl.constexpr,
+def _load_k_tile(
+    k_cache_ptr, bt_row, pos, valid, kvh, offs_d, d_mask,
+    stride_btn, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
-    """Pool offsets [BLOCK_N, BLOCK_D] of keys `pos` of KV head `kvh`, each key's block looked up in the
-    table row; a key outside `valid` reads no table entry (block 0 stands in, and is never loaded)."""
+    """The K tile [BLOCK_N, BLOCK_D] of keys `pos` of KV head `kvh` from the block pool, each key's block
+    looked up in the table row (a key outside `valid` reads no table entry and loads 0), and the offsets
+    and mask that load the V tile (callers load V after the QK dot)."""
     blk = tl.load(bt_row + (pos // BLOCK_SIZE) * stride_btn, mask=valid, other=0).to(tl.int64)
-    return (
+    kv_off = (
         blk[:, None] * stride_cb
         + (pos % BLOCK_SIZE)[:, None] * stride_cs
         + kvh * stride_ch
         + offs_d[None, :] * stride_cd
     )
+    kv_mask = valid[:, None] & d_mask[None, :]
+    return tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0), kv_off, kv_mask
 
 
 @triton.jit
@@ -114,12 +117,10 @@ def _decode_kernel(
     for start in range(k_start, k_end, BLOCK_N):
         pos = start + offs_n
         valid = pos < k_end  # and >= k_start >= lo
-        kv_off = _kv_offsets(
-            bt_row, pos, valid, kvh, offs_d,
+        k, kv_off, kv_mask = _load_k_tile(
+            k_cache_ptr, bt_row, pos, valid, kvh, offs_d, d_mask,
             stride_btn, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
         )  # fmt: skip
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, valid[None, :], v, PRECISION, UPCAST)
@@ -220,12 +221,10 @@ def _prefill_kernel(
     for start in range(lo, ctx, BLOCK_N):
         pos = start + offs_n
         valid = pos < ctx
-        kv_off = _kv_offsets(
-            bt_row, pos, valid, kvh, offs_d,
+        k, kv_off, kv_mask = _load_k_tile(
+            k_cache_ptr, bt_row, pos, valid, kvh, offs_d, d_mask,
             stride_btn, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
         )  # fmt: skip
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
         allowed = row_valid[:, None] & valid[None, :]
         if HAS_WINDOW:
