@@ -133,6 +133,23 @@ def _probe(base: str, key: str, cold: str) -> dict[str, Any]:
     return out
 
 
+def _recovered(base: str, key: str, chat: dict[str, Any], model_name: str) -> Callable[[], bool]:
+    """A poll: a chat with `model_name` answers 200 and /ready says "ready" again."""
+
+    def ok() -> bool:
+        try:
+            r = httpx.post(
+                f"{base}/v1/chat/completions", json={**chat, "model": model_name},
+                headers=auth(key), timeout=10,
+            )  # fmt: skip
+            ready = httpx.get(f"{base}/ready", timeout=10).json().get("status") == "ready"
+            return r.status_code == 200 and ready
+        except httpx.HTTPError:
+            return False
+
+    return ok
+
+
 def case_outages(model: Path, tmp: Path, pg_url: str, s3_server: str) -> tuple[dict[str, Any], list[str]]:
     direct = _postgres_database(pg_url)
     pg_port = int(re.search(r"@127\.0\.0\.1:(\d+)/", direct).group(1))  # type: ignore[union-attr]
@@ -165,20 +182,6 @@ def case_outages(model: Path, tmp: Path, pg_url: str, s3_server: str) -> tuple[d
         chat = {"model": "warm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert httpx.post(f"{base}/v1/chat/completions", json=chat, headers=auth(key), timeout=60).is_success
 
-        def recovered(model_name: str) -> Callable[[], bool]:
-            def ok() -> bool:
-                try:
-                    r = httpx.post(
-                        f"{base}/v1/chat/completions", json={**chat, "model": model_name},
-                        headers=auth(key), timeout=10,
-                    )  # fmt: skip
-                    ready = httpx.get(f"{base}/ready", timeout=10).json().get("status") == "ready"
-                    return r.status_code == 200 and ready
-                except httpx.HTTPError:
-                    return False
-
-            return ok
-
         figures: dict[str, Any] = {}
         five_hundreds = 0
         for outage, cut, restore, cold in (
@@ -192,6 +195,7 @@ def case_outages(model: Path, tmp: Path, pg_url: str, s3_server: str) -> tuple[d
             during = _probe(base, key, cold)
             five_hundreds += sum(1 for v in during.values() if v.startswith("500"))
             restore()
-            figures[outage] = {"during": during, "recovery_s": round(wait_for(recovered(cold), 90), 1)}
+            recovery_s = wait_for(_recovered(base, key, chat, cold), 90)
+            figures[outage] = {"during": during, "recovery_s": round(recovery_s, 1)}
         figures["status_500"] = five_hundreds
         return figures, ["status_500"]
