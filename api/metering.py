@@ -9,11 +9,11 @@ in front of it (line format in api/usage_journal.py):
   client; the journal thread appends a `progress` line for every request that moved, every
   `progress_interval_s`.
 - `finish(record)` appends a `finish` line with the full `UsageRecord` and buffers the record.
-- The flusher thread writes the buffer to SQL every `flush_interval_s` (or as soon as `batch_size`
-  records wait) through `registry.usage.write_usage`, which inserts with ON CONFLICT (request_id)
-  DO NOTHING, so replays never double-bill. After a successful write the journal is compacted: a
-  successor file holding only the requests still in flight (with their progress) and the records
-  not yet written takes over, then replaces the old file.
+- The flusher thread writes the buffer (api/usage_outbox.py) to SQL every `flush_interval_s` (or as
+  soon as `batch_size` records wait) through `registry.usage.write_usage`, which inserts with ON
+  CONFLICT (request_id) DO NOTHING, so replays never double-bill. After a successful write the
+  journal is compacted: a successor file holding only the requests still in flight (with their
+  progress) and the records not yet written takes over, then replaces the old file.
 - `flush()` writes everything now (usage reads call it first, so a read includes every request
   finished before it); `stop()` flushes and leaves the journal empty of finished requests.
 - `recover()` at start-up (before `start()`) replays the journal of a previous process: `finish`
@@ -54,8 +54,9 @@ from sqlalchemy.orm import Session
 
 from api.usage_journal import InFlightRequest, Progress, begin_line, finish_line, progress_line, replay
 from api.usage_journal_file import JournalFile
+from api.usage_outbox import UsageOutbox
 from registry.provenance import Provenance
-from registry.usage import UsageRecord, write_usage
+from registry.usage import UsageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +86,14 @@ class UsageMeter:
         self.flush_interval_s = flush_interval_s
         self.batch_size = batch_size
         self.progress_interval_s = progress_interval_s
-        self._lock = threading.Lock()  # journal handle, _open, _moved, _buffer, _recent
-        self._flush_lock = threading.Lock()  # one flush at a time: batches commit in finish order
+        self._lock = threading.Lock()  # journal handle, _open, _moved, the outbox's records, _recent
         self._open: dict[str, InFlightRequest] = {}
         self._moved: set[str] = set()  # open requests whose progress is not journaled yet
-        self._buffer: list[UsageRecord] = []
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._journal = JournalFile(self.journal_path, self._lock)
+        self._outbox = UsageOutbox(
+            session_factory, batch_size=batch_size, lock=self._lock, after_batch=self._compact
+        )
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -108,7 +110,7 @@ class UsageMeter:
     @property
     def num_pending(self) -> int:
         """Finished records not yet written to the database."""
-        return len(self._buffer)
+        return len(self._outbox.records)
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -123,7 +125,7 @@ class UsageMeter:
         if not paths:
             return 0
         records, num_aborted = replay(paths, crashed_at=self._journal.last_modified(paths))
-        inserted = self._write(records)
+        inserted = self._outbox.write(records)
         for path in paths:
             path.unlink()
         logger.info(
@@ -157,7 +159,9 @@ class UsageMeter:
         try:
             self.flush()
         except Exception:
-            logger.exception("usage flush at stop failed; %d records stay in the journal", len(self._buffer))
+            logger.exception(
+                "usage flush at stop failed; %d records stay in the journal", len(self._outbox.records)
+            )
         self.write_progress()
         self._journal.close()
 
@@ -224,9 +228,9 @@ class UsageMeter:
                 self._recent.popitem(last=False)
             self._open.pop(record.request_id, None)
             self._moved.discard(record.request_id)
-            self._buffer.append(record)
+            self._outbox.records.append(record)
             self._journal.append(finish_line(record))
-            is_full = len(self._buffer) >= self.batch_size
+            is_full = len(self._outbox.records) >= self.batch_size
         if is_full:
             self._wake.set()
         return True
@@ -239,23 +243,7 @@ class UsageMeter:
     def flush(self) -> int:
         """Write every record buffered when called, in batches; returns the rows inserted (not
         duplicates). Records finished meanwhile wait for the next flush."""
-        inserted = 0
-        with self._flush_lock:
-            with self._lock:
-                remaining = len(self._buffer)
-            while remaining > 0:
-                with self._lock:
-                    batch = self._buffer[: min(self.batch_size, remaining)]
-                    del self._buffer[: len(batch)]
-                remaining -= len(batch)
-                try:
-                    inserted += self._write(batch)
-                except BaseException:
-                    with self._lock:
-                        self._buffer[:0] = batch  # keep finish order for the retry
-                    raise
-                self._journal.compact(self._unbilled_lines)  # the written records leave the journal
-        return inserted
+        return self._outbox.flush()
 
     def write_progress(self) -> int:
         """Append a progress line for every request that moved since the last call; returns how many."""
@@ -273,18 +261,14 @@ class UsageMeter:
         if not self._journal.is_open:
             raise RuntimeError("UsageMeter is not started (call start(), after recover())")
 
-    def _write(self, records: list[UsageRecord]) -> int:
-        inserted = 0
-        for i in range(0, len(records), self.batch_size):
-            with self.session_factory() as session:
-                inserted += write_usage(session, records[i : i + self.batch_size])
-        return inserted
+    def _compact(self) -> None:
+        self._journal.compact(self._unbilled_lines)  # the written records leave the journal
 
     def _unbilled_lines(self) -> list[str]:
         """What a compacted journal starts with: open requests (with their progress) and unwritten
         records. Called under _lock by JournalFile.compact; the begin lines carry all progress."""
         lines = [begin_line(req) for req in self._open.values()]
-        lines += [finish_line(rec) for rec in self._buffer]
+        lines += [finish_line(rec) for rec in self._outbox.records]
         self._moved.clear()
         return lines
 
@@ -295,7 +279,9 @@ class UsageMeter:
             try:
                 self.flush()
             except Exception:
-                logger.exception("usage flush failed; %d records kept for the next try", len(self._buffer))
+                logger.exception(
+                    "usage flush failed; %d records kept for the next try", len(self._outbox.records)
+                )
 
     def _run_journal(self) -> None:
         # Never waits for the database: progress keeps being journaled through an outage.
