@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from api.body_limit import BodyLimit
 from api.console import install_console
 from api.errors import install_error_handlers
 from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage
@@ -46,6 +47,8 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
     app = FastAPI(title="loraserve", version="0.1.0", lifespan=lifespan)
     app.state.loraserve = state
     install_error_handlers(app)
+    # Outermost of our own layers: a body past the limit never reaches FastAPI's reader.
+    app.add_middleware(BodyLimit, max_bytes=state.settings.max_request_body_bytes)
     routers = (openai.router, tokenize.router, adapters.router, admin.router, health.router, usage.router)
     for router in (*routers, adapter_import.router, *extra_routers):
         app.include_router(router)

@@ -69,6 +69,13 @@ def serve(
             + _default("max_upload_bytes", "derived from the base model")
         ),
     ] = None,
+    max_request_body_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="largest request body in bytes, uploads aside (larger: 413 before it is read) "
+            + _default("max_request_body_bytes")
+        ),
+    ] = None,
     log_level: Annotated[
         str | None, typer.Option(help=f"debug | info | warning | error {_default('log_level')}")
     ] = None,

@@ -51,6 +51,8 @@ class Settings(BaseSettings):
     max_queue_len: int = Field(256, ge=0)  # engine requests waiting beyond max_num_seqs; more -> 503
     request_timeout_s: float = Field(600.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM grace period before in-flight requests abort
+    # Any other request body (JSON): larger is 413 before it is read (api/body_limit.py).
+    max_request_body_bytes: int = Field(8 << 20, ge=1024)
     # Whole multipart body of an adapter upload; None = derived from the base model (the largest legal
     # adapter: seven projections, every layer, max_lora_rank, fp32; api/uploads.py `upload_limits`).
     max_upload_bytes: int | None = Field(None, ge=1)

@@ -27,11 +27,14 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from api.body_limit import STREAMED_UPLOADS, read_body
 from api.errors import APIError
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart
 from api.fleet.replica import LoraReplica
 from api.fleet.routing import AdapterRouter, Route
 from api.settings import load_settings
+from api.uploads import upload_limits
+from base_engine.config import load_model_config
 from registry.db import make_engine, session_factory
 
 logger = logging.getLogger(__name__)
@@ -53,9 +56,20 @@ class Ingress:
             session_factory(engine), base_model=settings.model_name, affinity=affinity
         )
         self.replica = replica
+        # The fleet's front door buffers bodies too: the same ceilings as a replica's (api/body_limit.py).
+        shapes = load_model_config(settings.model_dir()).base_shapes()
+        self.max_upload_bytes = upload_limits(settings, shapes).body_bytes
+        self.max_body_bytes = settings.max_request_body_bytes
 
     async def __call__(self, request: Request) -> Response:
-        body = await request.body()
+        is_upload = (request.method, request.url.path) in STREAMED_UPLOADS
+        limit = self.max_upload_bytes if is_upload else self.max_body_bytes
+        try:
+            body = await read_body(request.headers.raw, request.receive, limit)
+        except APIError as exc:
+            return exc.response({"Connection": "close"})
+        if body is None:  # the client left before sending its body: nobody to answer
+            return Response(status_code=499)
         route = await asyncio.to_thread(
             self.router.route, request.method, request.url.path, request.headers, body
         )

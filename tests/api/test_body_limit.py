@@ -1,0 +1,102 @@
+"""Request bodies past `max_request_body_bytes` are refused with 413 before the server holds them
+(api/body_limit.py), against a real server with a 4 KiB limit; adapter uploads keep their own limit.
+
+Without the limit, one unauthenticated 400 MiB POST to /v1/completions made the server hold ~825 MB.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api.conftest import ADMIN_KEY, Server, ServerProcess
+from tests.api.uploads import files_of, peft_adapter, upload
+
+LIMIT = 4096
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    args = ["--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--max-model-len", "256"]
+    env = {"LORASERVE_ADMIN_KEY": ADMIN_KEY, "LORASERVE_MAX_REQUEST_BODY_BYTES": str(LIMIT)}
+    process = ServerProcess(args, tmp_path_factory.mktemp("body") / "data", env=env).start()
+    try:
+        yield Server(process, ADMIN_KEY, "sqlite-local")
+    finally:
+        process.stop()
+
+
+def _rss_kb(server: Server) -> int:
+    assert server.process.proc is not None
+    status = Path(f"/proc/{server.process.proc.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+def _raw(server: Server, head: str, body_chunks: list[bytes]) -> bytes:
+    """Sends a request by hand (a declared length we never send, chunked bodies); returns the reply's
+    first bytes."""
+    with socket.create_connection(("127.0.0.1", server.process.port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        try:
+            for chunk in body_chunks:
+                sock.sendall(chunk)
+        except OSError:
+            pass  # the server answered and closed while we were still sending: what we test
+        return sock.recv(4096)
+
+
+def _error(reply: bytes) -> tuple[int, dict[str, object]]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_a_declared_length_past_the_limit_is_413_before_any_byte_is_read(server: Server) -> None:
+    before = _rss_kb(server)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {400 << 20}\r\n\r\n"
+    )
+    status, error = _error(_raw(server, head, []))  # no auth, no body: refused on the header alone
+    assert status == 413 and error["code"] == "payload_too_large"
+    assert f"limit of {LIMIT} bytes" in str(error["message"])
+    assert _rss_kb(server) - before < 20_000
+
+
+def test_a_chunked_body_is_cut_off_once_it_passes_the_limit(server: Server) -> None:
+    before = _rss_kb(server)
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    )
+    chunk = b"x" * 65536
+    chunks = [b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(2000)]  # 125 MiB if all were read
+    status, error = _error(_raw(server, head, chunks))
+    assert status == 413 and error["code"] == "payload_too_large"
+    assert _rss_kb(server) - before < 20_000
+
+
+def test_bodies_within_the_limit_and_uploads_are_served(server: Server, tmp_path: Path) -> None:
+    _, key = server.tenant()
+    auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 2})
+    padded = body + " " * (LIMIT - len(body))  # exactly the limit (JSON allows trailing whitespace)
+    r = httpx.post(f"{server.base_url}/v1/completions", headers=auth, content=padded, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.base_url}/v1/completions", headers=auth, content=padded + " ", timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+    files = files_of(peft_adapter(tmp_path / "a"))
+    assert sum(len(content) for content in files.values()) > LIMIT  # only the upload limit applies
+    assert upload(server, key, "big-enough", files).status_code == 201
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        headers=auth,
+        json={"model": "big-enough", "prompt": "hi", "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
