@@ -67,7 +67,7 @@ def run(app: FastAPI, state: AppState) -> None:
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
-        # Our own logging configuration (api/cli.py) stays in place.
+        # Our own logging configuration (api/cli_options.py) stays in place.
         log_config=None,
     )
     DrainingServer(config, state).run()

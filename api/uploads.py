@@ -34,7 +34,7 @@ NAME_FIELD = "name"
 FILES_FIELD = "files"
 _MAX_NAME_BYTES = 256
 _ALLOWED = (CONFIG_FILE, WEIGHTS_FILE)
-MAX_CONFIG_BYTES = 1 << 20  # what adapters/format.py reads of adapter_config.json at most
+MAX_CONFIG_BYTES = 1 << 20  # what adapters/files.py reads of adapter_config.json at most
 _FORM_OVERHEAD_BYTES = 64 << 10  # boundaries, part headers and the `name` field
 _WRITE_BATCH_BYTES = 1 << 20  # body handed to the parser (and the disk) at a time
 
