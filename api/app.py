@@ -48,7 +48,10 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
     app.state.loraserve = state
     install_error_handlers(app)
     # Outermost of our own layers: a body past the limit never reaches FastAPI's reader.
-    app.add_middleware(BodyLimit, max_bytes=state.settings.max_request_body_bytes)
+    settings = state.settings
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_request_body_bytes, timeout_s=settings.request_body_timeout_s
+    )
     routers = (openai.router, tokenize.router, adapters.router, admin.router, health.router, usage.router)
     for router in (*routers, adapter_import.router, *extra_routers):
         app.include_router(router)

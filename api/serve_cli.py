@@ -76,6 +76,12 @@ def serve(
             + _default("max_request_body_bytes")
         ),
     ] = None,
+    request_body_timeout_s: Annotated[
+        float | None,
+        typer.Option(
+            help=f"seconds a request body may take to arrive, else 408 {_default('request_body_timeout_s')}"
+        ),
+    ] = None,
     log_level: Annotated[
         str | None, typer.Option(help=f"debug | info | warning | error {_default('log_level')}")
     ] = None,

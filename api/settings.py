@@ -53,6 +53,7 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM grace period before in-flight requests abort
     # Any other request body (JSON): larger is 413 before it is read (api/body_limit.py).
     max_request_body_bytes: int = Field(8 << 20, ge=1024)
+    request_body_timeout_s: float = Field(60.0, gt=0)  # the whole body must arrive within it, else 408
     # Whole multipart body of an adapter upload; None = derived from the base model (the largest legal
     # adapter: seven projections, every layer, max_lora_rank, fp32; api/uploads.py `upload_limits`).
     max_upload_bytes: int | None = Field(None, ge=1)

@@ -60,12 +60,13 @@ class Ingress:
         shapes = load_model_config(settings.model_dir()).base_shapes()
         self.max_upload_bytes = upload_limits(settings, shapes).body_bytes
         self.max_body_bytes = settings.max_request_body_bytes
+        self.body_timeout_s = settings.request_body_timeout_s
 
     async def __call__(self, request: Request) -> Response:
         is_upload = (request.method, request.url.path) in STREAMED_UPLOADS
         limit = self.max_upload_bytes if is_upload else self.max_body_bytes
         try:
-            body = await read_body(request.headers.raw, request.receive, limit)
+            body = await read_body(request.headers.raw, request.receive, limit, self.body_timeout_s)
         except APIError as exc:
             return exc.response({"Connection": "close"})
         if body is None:  # the client left before sending its body: nobody to answer
