@@ -14,6 +14,7 @@ in-memory backend and write the row and a new lease back. No lock is held across
 - Releases and refunds are written by a background thread (the request's end must not wait on the
   database, which may be down); an admission on this replica writes any still-pending ones first,
   so a client that sends its next request at once is never refused by its own finished one.
+- The rows are read and written through api/quota_rows.py (lock, live leases, row <-> TenantState).
 - A database outage during admission is 503 `database_unavailable` + Retry-After (api/errors.py),
   never a silent unlimited pass: a fleet without its database cannot count, so it does not admit.
 """
@@ -29,15 +30,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, select, text, update
+from sqlalchemy import delete, update
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import database_unavailable, is_database_outage
+from api.quota_rows import bucket_state, db_now, live_state, lock_row, num_live_leases, write_row
 from api.quotas import (
     Admission,
-    Bucket,
     Limits,
     QuotaExceededError,
     QuotaLimiter,
@@ -119,9 +119,9 @@ class DbQuotaLimiter(QuotaLimiter):
 
     def _admit(self, tenant_id: str, limits: Limits, tokens: int, lease_id: str) -> dict[str, str]:
         with self.sessions() as session, session.begin():
-            row = self._lock_row(session, tenant_id)
+            row = lock_row(session, tenant_id)
             now = max(self._now(session), row.updated_at)  # a clock stepping back never drains a bucket
-            state = self._state(session, row, now)
+            state = live_state(session, row, now)
             refill(state, limits, now, self.window_s)
             try:
                 check(tenant_id, limits, state, tokens, self.window_s)
@@ -129,7 +129,7 @@ class DbQuotaLimiter(QuotaLimiter):
                 exc.headers = headers_of(state, limits, self.window_s)
                 raise  # rolls back: a refill needs no writing (it only depends on the time)
             take(state, tokens)
-            _write(row, state, now)
+            write_row(row, state, now)
             session.add(
                 QuotaLeaseRow(
                     lease_id=lease_id,
@@ -141,42 +141,8 @@ class DbQuotaLimiter(QuotaLimiter):
             )
             return headers_of(state, limits, self.window_s)
 
-    def _lock_row(self, session: Session, tenant_id: str) -> QuotaBucketRow:
-        """The tenant's bucket row, locked until the transaction ends (created on first use)."""
-        row = session.get(QuotaBucketRow, tenant_id, with_for_update=True)
-        if row is None:
-            insert = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}[
-                session.get_bind().dialect.name
-            ]
-            session.execute(
-                insert(QuotaBucketRow).values(tenant_id=tenant_id, updated_at=0.0).on_conflict_do_nothing()
-            )
-            row = session.get(QuotaBucketRow, tenant_id, with_for_update=True, populate_existing=True)
-            assert row is not None
-        return row
-
-    def _state(self, session: Session, row: QuotaBucketRow, now: float) -> TenantState:
-        """The row as a TenantState, with the live leases counted (expired ones are dropped)."""
-        session.execute(
-            delete(QuotaLeaseRow).where(
-                QuotaLeaseRow.tenant_id == row.tenant_id, QuotaLeaseRow.expires_at <= now
-            )
-        )
-        live = select(func.count()).where(
-            QuotaLeaseRow.tenant_id == row.tenant_id, QuotaLeaseRow.expires_at > now
-        )
-        return TenantState(
-            requests=_bucket(row.requests_capacity, row.requests_level, row.updated_at),
-            tokens=_bucket(row.tokens_capacity, row.tokens_level, row.updated_at),
-            num_concurrent=int(session.scalar(live) or 0),
-        )
-
     def _now(self, session: Session) -> float:
-        if self._clock is not None:
-            return self._clock()
-        if session.get_bind().dialect.name == "postgresql":
-            return float(session.scalar(text("SELECT extract(epoch FROM clock_timestamp())")))
-        return time.time()  # SQLite: one machine, one clock
+        return db_now(session, self._clock)  # None: the database's clock
 
     # ---- the end of a request ----------------------------------------------------------------
 
@@ -214,21 +180,14 @@ class DbQuotaLimiter(QuotaLimiter):
                     row = session.get(QuotaBucketRow, tenant_id, with_for_update=True)
                     if row is None:
                         continue
-                    state = self._bucket_state(row)
+                    state = bucket_state(row)
                     for p in (p for p in pending if p.tenant_id == tenant_id):
                         give_back(state, requests=p.requests, tokens=p.tokens)
-                    _write(row, state, row.updated_at)
+                    write_row(row, state, row.updated_at)
         except BaseException:
             with self._mutex:
                 self._pending[:0] = pending
             raise
-
-    @staticmethod
-    def _bucket_state(row: QuotaBucketRow) -> TenantState:
-        return TenantState(
-            requests=_bucket(row.requests_capacity, row.requests_level, row.updated_at),
-            tokens=_bucket(row.tokens_capacity, row.tokens_level, row.updated_at),
-        )
 
     def _renew(self) -> None:
         with self._mutex:
@@ -271,11 +230,7 @@ class DbQuotaLimiter(QuotaLimiter):
         """Live leases of the tenant across the fleet."""
         self._flush()
         with self.sessions() as session, session.begin():
-            now = self._now(session)
-            live = select(func.count()).where(
-                QuotaLeaseRow.tenant_id == tenant_id, QuotaLeaseRow.expires_at > now
-            )
-            return int(session.scalar(live) or 0)
+            return num_live_leases(session, tenant_id, self._now(session))
 
     def headers(self, tenant_id: str, quotas: TenantQuotas | None) -> dict[str, str]:
         """The tenant's `x-ratelimit-*` now (read only: nothing is written)."""
@@ -284,21 +239,9 @@ class DbQuotaLimiter(QuotaLimiter):
         with self.sessions() as session, session.begin():
             row = session.get(QuotaBucketRow, tenant_id)
             now = self._now(session)
-            state = TenantState() if row is None else self._bucket_state(row)
+            state = TenantState() if row is None else bucket_state(row)
             refill(state, limits, max(now, row.updated_at if row else now), self.window_s)
             return headers_of(state, limits, self.window_s)
-
-
-def _bucket(capacity: float | None, level: float | None, updated_at: float) -> Bucket | None:
-    return None if capacity is None or level is None else Bucket(capacity, level, updated_at)
-
-
-def _write(row: QuotaBucketRow, state: TenantState, now: float) -> None:
-    row.requests_capacity = state.requests.capacity if state.requests else None
-    row.requests_level = state.requests.level if state.requests else None
-    row.tokens_capacity = state.tokens.capacity if state.tokens else None
-    row.tokens_level = state.tokens.level if state.tokens else None
-    row.updated_at = now
 
 
 def open_limiter(settings: Settings, sessions: sessionmaker[Session], defaults: TenantQuotas) -> QuotaLimiter:
