@@ -1,5 +1,6 @@
 """config.json parsing: tiny checkpoints written by transformers and published configs, checked against
-transformers' own AutoConfig and against the tensors actually stored in the checkpoint."""
+transformers' own AutoConfig and against the tensors actually stored in the checkpoint. Single fields
+(RoPE forms, eos ids, dtypes, refusals) are in test_config_fields.py."""
 
 from __future__ import annotations
 
@@ -15,117 +16,15 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from adapters.types import LORA_MODULES
-from base_engine.config import ModelConfig, load_model_config
-
-# Published config.json files (fields and values as released on the Hugging Face hub).
-LLAMA31_8B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "hidden_act": "silu",
-    "hidden_size": 4096,
-    "initializer_range": 0.02,
-    "intermediate_size": 14336,
-    "max_position_embeddings": 131072,
-    "mlp_bias": False,
-    "model_type": "llama",
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.0.dev0",
-    "use_cache": True,
-    "vocab_size": 128256,
-}
-MISTRAL_ARCH = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
-LLAMA31_8B_INSTRUCT_GENERATION = {"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
-MISTRAL_7B_V01: dict[str, Any] = {
-    "architectures": ["MistralForCausalLM"],
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "hidden_act": "silu",
-    "hidden_size": 4096,
-    "initializer_range": 0.02,
-    "intermediate_size": 14336,
-    "max_position_embeddings": 32768,
-    "model_type": "mistral",
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 10000.0,
-    "sliding_window": 4096,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.34.0.dev0",
-    "use_cache": True,
-    "vocab_size": 32000,
-}
-QWEN2_7B: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "eos_token_id": 151643,
-    "hidden_act": "silu",
-    "hidden_size": 3584,
-    "initializer_range": 0.02,
-    "intermediate_size": 18944,
-    "max_position_embeddings": 131072,
-    "max_window_layers": 28,
-    "model_type": "qwen2",
-    "num_attention_heads": 28,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000.0,
-    "sliding_window": 131072,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.37.2",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 152064,
-}
-
-
-def write_config(directory: Path, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(raw))
-    if generation is not None:
-        (directory / "generation_config.json").write_text(json.dumps(generation))
-    return directory
-
-
-def assert_matches_transformers(config: ModelConfig, model_dir: Path) -> None:
-    """The fields transformers itself derives (defaults, head_dim, effective window) agree with ours."""
-    hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    assert config.model_type == hf.model_type
-    assert config.vocab_size == hf.vocab_size
-    assert config.hidden_size == hf.hidden_size
-    assert config.intermediate_size == hf.intermediate_size
-    assert config.num_hidden_layers == hf.num_hidden_layers
-    assert config.num_attention_heads == hf.num_attention_heads
-    assert config.num_key_value_heads == hf.num_key_value_heads
-    assert config.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
-    assert config.rms_norm_eps == hf.rms_norm_eps
-    assert config.max_position_embeddings == hf.max_position_embeddings
-    assert config.tie_word_embeddings == hf.tie_word_embeddings
-    assert config.sliding_window == getattr(hf, "sliding_window", None)
-    assert config.rope.theta == hf.rope_parameters["rope_theta"]
-    assert config.rope.rope_type == hf.rope_parameters["rope_type"]
+from base_engine.config import load_model_config
+from tests.engine.published_configs import (
+    LLAMA31_8B,
+    LLAMA31_8B_INSTRUCT_GENERATION,
+    MISTRAL_7B_V01,
+    QWEN2_7B,
+    assert_matches_transformers,
+    write_config,
+)
 
 
 @pytest.mark.parametrize(
@@ -240,100 +139,3 @@ def test_qwen2_sliding_on_some_layers_is_refused(tmp_path: Path) -> None:
     raw = {**QWEN2_7B, "use_sliding_window": True, "max_window_layers": 14}
     with pytest.raises(ValueError, match=r"config\.json.*some layers"):
         load_model_config(write_config(tmp_path, raw))
-
-
-def test_rope_parameters_form(tmp_path: Path) -> None:
-    """transformers 5 writes rope_theta inside rope_parameters; no top-level rope_theta or rope_scaling."""
-    raw = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_scaling", "rope_theta")}
-    raw["rope_parameters"] = {**LLAMA31_8B["rope_scaling"], "rope_theta": 500000.0}
-    config = load_model_config(write_config(tmp_path, raw))
-    legacy = load_model_config(write_config(tmp_path / "legacy", LLAMA31_8B))
-    assert config.rope == legacy.rope
-    assert config.rope.theta == 500000.0 and config.rope.rope_type == "llama3"
-
-
-def test_legacy_type_key(tmp_path: Path) -> None:
-    raw = {**LLAMA31_8B, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 10000.0}
-    model_dir = write_config(tmp_path, raw)
-    config = load_model_config(model_dir)
-    assert (config.rope.rope_type, config.rope.factor) == ("linear", 2.0)
-    hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    assert hf.rope_parameters["rope_type"] == "linear"
-
-
-@pytest.mark.parametrize(
-    ("config_eos", "generation", "expected"),
-    [
-        (128001, {"eos_token_id": [128009, 128001]}, (128009, 128001)),
-        (128001, {"eos_token_id": 128009}, (128009,)),
-        ([128001, 128008], None, (128001, 128008)),
-        (128001, {"bos_token_id": 128000}, (128001,)),  # generation_config.json without eos
-        (None, None, ()),
-    ],
-)
-def test_eos_ids(tmp_path: Path, config_eos: Any, generation: dict[str, Any] | None, expected: tuple) -> None:
-    raw = {**LLAMA31_8B, "eos_token_id": config_eos}
-    assert load_model_config(write_config(tmp_path, raw, generation)).eos_token_ids == expected
-
-
-def test_tiny_eos_from_generation_config(tiny_llama_dir: Path) -> None:
-    generation = json.loads((tiny_llama_dir / "generation_config.json").read_text())
-    config = load_model_config(tiny_llama_dir)
-    assert config.eos_token_ids == tuple(generation["eos_token_id"]) and len(config.eos_token_ids) == 2
-
-
-@pytest.mark.parametrize(
-    ("raw", "field"),
-    [
-        ({"dtype": "float16", "torch_dtype": None}, torch.float16),
-        ({"torch_dtype": None}, torch.float32),
-        ({"torch_dtype": "float32"}, torch.float32),
-    ],
-)
-def test_dtype_fields(tmp_path: Path, raw: dict[str, Any], field: torch.dtype) -> None:
-    merged = {k: v for k, v in {**LLAMA31_8B, **raw}.items() if v is not None}
-    assert load_model_config(write_config(tmp_path, merged)).dtype == field
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"architectures": ["GPT2LMHeadModel"]}, r"architectures.*GPT2LMHeadModel.*LlamaForCausalLM"),
-        ({"architectures": None}, r"architectures"),
-        ({"model_type": "mistral"}, r"model_type"),
-        ({"hidden_act": "gelu"}, r"hidden_act.*gelu"),
-        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope type 'dynamic'"),
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, r"rope type 'longrope'"),
-        ({"rope_scaling": {"rope_type": "linear"}}, r"factor"),
-        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor"),
-        ({"quantization_config": {"quant_method": "awq"}}, r"quantization_config"),
-        ({"torch_dtype": "float8_e4m3fn"}, r"dtype 'float8_e4m3fn'"),
-        ({"hidden_size": None}, r"hidden_size"),
-        ({"vocab_size": "128256"}, r"vocab_size"),
-        ({"num_key_value_heads": 5}, r"num_key_value_heads=5"),
-        (
-            {"sliding_window": 0, "architectures": ["MistralForCausalLM"], "model_type": "mistral"},
-            r"sliding_window",
-        ),
-        ({"rope_scaling": {**LLAMA31_8B["rope_scaling"], "high_freq_factor": 1.0}}, r"high_freq_factor"),
-        ({"rope_theta": -1.0}, r"theta"),
-        ({"eos_token_id": "</s>"}, r"eos_token_id"),
-        ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, r"rope_parameters"),
-    ],
-)
-def test_refusals_name_file_and_field(tmp_path: Path, change: dict[str, Any], message: str) -> None:
-    raw = {k: v for k, v in {**LLAMA31_8B, **change}.items() if not (k == "hidden_size" and v is None)}
-    with pytest.raises(ValueError, match=message) as excinfo:
-        load_model_config(write_config(tmp_path, raw))
-    assert str(tmp_path / "config.json") in str(excinfo.value)
-
-
-def test_invalid_json(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
-        load_model_config(tmp_path)
-
-
-def test_missing_config_json(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        load_model_config(tmp_path)
