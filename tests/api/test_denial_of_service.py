@@ -1,7 +1,8 @@
 """Issue 13, denial of service, against real server processes: a hostile regex in an upload, a hung
-object store, uploads amplifying memory, one tenant flooding the admission slots.
+object store, one tenant flooding the admission slots (uploads amplifying memory:
+test_denial_of_service_memory.py).
 
-Each test names the figure it checks; the memory test prints its measurements (`-s` shows them).
+Each test names the figure it checks. Shared helpers: tests/api/dos_helpers.py.
 """
 
 from __future__ import annotations
@@ -10,62 +11,19 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from adapters.limits import max_adapter_weights_bytes
-from adapters.types import LORA_MODULES, BaseModelShapes
 from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, _s3_client, main_server_args
+from tests.api.dos_helpers import Poller, auth, timed
 from tests.api.hanging_proxy import HangingProxy
-from tests.api.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, upload
+from tests.api.uploads import CONFIG, files_of, peft_adapter, upload
 
 EVIL = "(.|.){0,24}Z"  # 2^24 backtracking steps per module name for Python's re (issue 13: 71 s)
-
-
-def _auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def _timed(fn: Callable[[], httpx.Response]) -> tuple[float, httpx.Response]:
-    start = time.monotonic()
-    response = fn()
-    return time.monotonic() - start, response
-
-
-class _Poller:
-    """GETs `url` in a loop on a thread; records each latency (a timeout counts as its full length)."""
-
-    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
-        self.url, self.timeout_s = url, timeout_s
-        self.latencies: list[float] = []
-        self.statuses: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=self.timeout_s) as client:
-            while not self._stop.is_set():
-                start = time.monotonic()
-                try:
-                    self.statuses.append(client.get(self.url).status_code)
-                except httpx.HTTPError:
-                    self.statuses.append(0)
-                self.latencies.append(time.monotonic() - start)
-                time.sleep(0.02)
-
-    def __enter__(self) -> _Poller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(self.timeout_s + 5)
 
 
 # ---- 1. regex DoS ------------------------------------------------------------------------------
@@ -81,10 +39,10 @@ def test_hostile_regex_upload_validates_fast_and_health_stays_responsive(
     config["target_modules"] = r"model\.layers\.\d+\.(self_attn\.(q|v)|mlp\.down)_proj|" + EVIL
     hostile = {**files, CONFIG: json.dumps(config).encode()}
     refused = {**files, CONFIG: json.dumps({**config, "target_modules": EVIL}).encode()}
-    with _Poller(f"{server.base_url}/health") as health:
+    with Poller(f"{server.base_url}/health") as health:
         time.sleep(0.2)
-        accepted_s, accepted = _timed(lambda: upload(server, key, "hostile", hostile))
-        refused_s, refusal = _timed(lambda: upload(server, key, "refused", refused))
+        accepted_s, accepted = timed(lambda: upload(server, key, "hostile", hostile))
+        refused_s, refusal = timed(lambda: upload(server, key, "refused", refused))
         time.sleep(0.2)
     assert accepted.status_code == 201, accepted.text
     assert accepted.json()["modules"] == ["q_proj", "v_proj", "down_proj"]
@@ -152,7 +110,7 @@ def test_hung_object_store_freezes_nothing_else(
         try:
             r = uploader.post(
                 f"{base}/v1/adapters",
-                headers=_auth(key),
+                headers=auth(key),
                 data={"name": f"hung-{i}"},
                 files=[("files", (n, c, "application/octet-stream")) for n, c in files.items()],
             )
@@ -174,10 +132,10 @@ def test_hung_object_store_freezes_nothing_else(
                     ("ready", lambda: client.get(f"{base}/ready")),
                     (
                         "chat",
-                        lambda: client.post(f"{base}/v1/chat/completions", headers=_auth(key), json=chat),
+                        lambda: client.post(f"{base}/v1/chat/completions", headers=auth(key), json=chat),
                     ),
                 ):
-                    seconds, r = _timed(call)
+                    seconds, r = timed(call)
                     timings[name].append(seconds)
                     assert r.status_code == 200, (name, r.text)
                     if name == "ready":
@@ -215,129 +173,7 @@ def test_hung_object_store_freezes_nothing_else(
     assert httpx.get(f"{base}/ready", timeout=10).json()["status"] == "ready"
 
 
-# ---- 3. uploads amplifying memory ---------------------------------------------------------------
-
-BIG = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4}
-BIG |= {"intermediate_size": 1408, "vocab_size": 512}
-BIG_MAX_RANK = 160  # largest legal adapter: 8 layers x 7 projections x rank 160 x fp32 = 47.9 MB
-
-
-def _shapes() -> BaseModelShapes:
-    return BaseModelShapes(
-        model_type="llama",
-        num_layers=BIG["num_hidden_layers"],
-        hidden_size=BIG["hidden_size"],
-        intermediate_size=BIG["intermediate_size"],
-        num_attention_heads=BIG["num_attention_heads"],
-        num_key_value_heads=BIG["num_key_value_heads"],
-        head_dim=BIG["hidden_size"] // BIG["num_attention_heads"],
-        vocab_size=BIG["vocab_size"],
-    )
-
-
-def write_full_adapter(
-    directory: Path, *, rank: int, seed: int, modules: tuple[str, ...] = LORA_MODULES
-) -> Path:
-    """A PEFT-format adapter on every layer of the BIG model: the largest legal one at `rank`."""
-    shapes, generator = _shapes(), torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shapes.num_layers):
-        for module in modules:
-            parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{parent}.{module}"
-            n_in, n_out = shapes.module_shape(module)
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=generator) * 0.01
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=generator) * 0.01
-    directory.mkdir(parents=True)
-    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank}
-    (directory / CONFIG).write_text(json.dumps(config | {"target_modules": list(modules)}))
-    return directory
-
-
-def _status(pid: int) -> dict[str, int]:
-    """VmRSS, RssAnon, RssFile of a process in bytes (/proc/<pid>/status)."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "RssAnon", "RssFile"):
-            out[name] = int(value.split()[0]) * 1024
-    return out
-
-
-def _post_files(base: str, key: str, name: str, directory: Path) -> httpx.Response:
-    with open(directory / CONFIG, "rb") as config, open(directory / WEIGHTS, "rb") as weights:
-        return httpx.post(
-            f"{base}/v1/adapters",
-            headers=_auth(key),
-            data={"name": name},
-            files=[("files", (CONFIG, config)), ("files", (WEIGHTS, weights))],
-            timeout=300,
-        )
-
-
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/<pid>/status")
-def test_three_concurrent_maximum_uploads_grow_rss_at_most_100_mb(
-    make_checkpoint: Callable[..., Path], tmp_path: Path
-) -> None:
-    model_dir = make_checkpoint(arch="llama", **BIG)
-    limit = max_adapter_weights_bytes(_shapes(), BIG_MAX_RANK)
-    adapters = [write_full_adapter(tmp_path / f"max{i}", rank=BIG_MAX_RANK, seed=i) for i in range(3)]
-    size = (adapters[0] / WEIGHTS).stat().st_size
-    assert 3 * size > 140e6 and size <= limit  # three at once could add 144 MB: the bound means something
-    small = write_full_adapter(tmp_path / "warm", rank=4, seed=9, modules=("q_proj",))
-    too_big = write_full_adapter(tmp_path / "over", rank=200, seed=7)
-    args = ["--model", str(model_dir), "--max-model-len", "256", "--num-kv-blocks", "64"]
-    args += ["--max-lora-rank", str(BIG_MAX_RANK), "--max-num-seqs", "4"]
-    process = ServerProcess(args, tmp_path / "data", env={"LORASERVE_ADMIN_KEY": ADMIN_KEY}).start()
-    try:
-        server = Server(process, ADMIN_KEY, "sqlite-local")
-        _, key = server.tenant("mem")
-        base, pid = server.base_url, process.proc.pid  # type: ignore[union-attr]
-        assert _post_files(base, key, "warm-up", small).status_code == 201
-        over = _post_files(base, key, "over", too_big)
-        assert over.status_code == 413, over.text  # rank 200 > 160: the derived limit refuses the body
-        time.sleep(1.0)
-        before = _status(pid)
-        peak = dict(before)
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                for name, value in _status(pid).items():
-                    peak[name] = max(peak[name], value)
-                time.sleep(0.01)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        start = time.monotonic()
-        with ThreadPoolExecutor(3) as pool:
-            responses = list(pool.map(lambda i: _post_files(base, key, f"max-{i}", adapters[i]), range(3)))
-        seconds = time.monotonic() - start
-        time.sleep(1.0)
-        stop.set()
-        sampler.join()
-        after = _status(pid)
-    finally:
-        process.stop()
-    for r in responses:
-        assert r.status_code == 201, r.text
-        assert r.json()["size"] == size and r.json()["rank"] == BIG_MAX_RANK
-    mb = 1e6
-    growth = (after["VmRSS"] - before["VmRSS"]) / mb
-    report = (
-        f"3 concurrent uploads of {size / mb:.1f} MB (limit {limit / mb:.1f} MB) in {seconds:.1f} s: "
-        f"VmRSS {before['VmRSS'] / mb:.0f} -> peak {peak['VmRSS'] / mb:.0f} -> "
-        f"after {after['VmRSS'] / mb:.0f} MB "
-        f"(growth after {growth:+.1f} MB); RssAnon {before['RssAnon'] / mb:.0f} -> peak "
-        f"{peak['RssAnon'] / mb:.0f} -> after {after['RssAnon'] / mb:.0f} MB"
-    )
-    print(report)
-    assert growth <= 100, report
-    assert (peak["RssAnon"] - before["RssAnon"]) / mb <= 100, report  # not even transiently copied
-
-
-# ---- 4. one tenant flooding admission -----------------------------------------------------------
+# ---- 3. one tenant flooding admission -----------------------------------------------------------
 
 
 @pytest.fixture
@@ -364,7 +200,7 @@ def test_flooding_tenant_cannot_lock_out_another(small_server: Server) -> None:
     def flood() -> None:
         with httpx.Client(timeout=120) as client:
             while not stop.is_set():
-                r = client.post(f"{base}/v1/completions", headers=_auth(key_a), json=body_a)
+                r = client.post(f"{base}/v1/completions", headers=auth(key_a), json=body_a)
                 outcome = "ok" if r.status_code == 200 else str(r.status_code)
                 a_counts[outcome] = a_counts.get(outcome, 0) + 1
                 if r.status_code != 200:
@@ -381,8 +217,8 @@ def test_flooding_tenant_cannot_lock_out_another(small_server: Server) -> None:
         b_latencies, b_statuses = [], []
         with httpx.Client(timeout=60) as client:
             for _ in range(6):
-                seconds, r = _timed(
-                    lambda: client.post(f"{base}/v1/completions", headers=_auth(key_b), json=body_b)
+                seconds, r = timed(
+                    lambda: client.post(f"{base}/v1/completions", headers=auth(key_b), json=body_b)
                 )
                 b_latencies.append(seconds)
                 b_statuses.append(r.status_code)
