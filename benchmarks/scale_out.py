@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import SMALL_MODEL, run_load  # noqa: E402
-from tests.api.conftest import _postgres_database, _s3_env, free_port  # noqa: E402
+from tests.api.conftest import _postgres_database, _s3_env, free_port_for_ray  # noqa: E402
 from tests.fixtures import postgres as pg  # noqa: E402
 
 ADMIN_KEY = f"lsa-{uuid.uuid4().hex}"
@@ -185,7 +185,7 @@ def main() -> None:
         ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, runtime_env={"env_vars": env},
                  log_to_driver=False)  # fmt: skip
         stack.callback(ray.shutdown)
-        http_port = free_port()
+        http_port = free_port_for_ray()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         stack.callback(serve.shutdown)
         base_url = f"http://127.0.0.1:{http_port}"

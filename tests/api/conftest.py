@@ -10,6 +10,7 @@ API, so they do not depend on each other. `ServerProcess` is reusable for server
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -39,6 +40,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_for_ray() -> int:
+    """A free port Ray will not take while it starts: Ray binds its own servers to random ports from
+    the kernel's ephemeral range (32768-60999 here) and its workers to 10002-19999, so a port probed
+    free in the ephemeral range could be Ray's by the time its HTTP proxy binds it (seen: "Failed to
+    bind to address"). This one lies between the two ranges."""
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 @dataclass

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from tests.api.conftest import ServerProcess, _postgres_database, _s3_env, free_port
+from tests.api.conftest import ServerProcess, _postgres_database, _s3_env, free_port_for_ray
 from tests.api.uploads import files_of, peft_adapter
 
 ray = pytest.importorskip("ray")
@@ -150,7 +150,7 @@ def test_loraserve_serve_replicas_2_runs_the_fleet_and_stops_on_sigterm(
         "--db", _postgres_database(postgres_url), "--registry", f"s3://{s3['bucket']}/registry",
         "--max-model-len", "256", "--num-kv-blocks", "128", "--max-num-seqs", "4",
     ]  # fmt: skip
-    process = ServerProcess(args, tmp_path / "data", env=env).start(timeout_s=300)
+    process = ServerProcess(args, tmp_path / "data", env=env, port=free_port_for_ray()).start(timeout_s=300)
     try:
         fleet = Fleet(process.base_url, "")
         _, key = fleet.tenant()  # migrations ran once, before the replicas started
@@ -185,7 +185,7 @@ def fleet(
         max_loras=4, max_cpu_loras=8, max_lora_rank=16, usage_flush_interval_s=0.2, log_level="warning",
     )  # fmt: skip
     args = prepare_deploy(settings)  # migrations once, as `loraserve serve --replicas 2` does
-    port = free_port()
+    port = free_port_for_ray()
     monkeypatch = pytest.MonkeyPatch()
     for name, value in proxy_env().items():  # as `loraserve serve --replicas` sets it
         monkeypatch.setenv(name, value)
