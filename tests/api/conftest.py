@@ -26,7 +26,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from api.deps import Caller
 from api.state import AppState
+from registry.keys import key_prefix
+from registry.tenants import create_tenant
 from tests.api import console_helpers
 
 MAX_MODEL_LEN = 256
@@ -34,6 +37,13 @@ MAX_UPLOAD_BYTES = 256 << 10
 MAX_LORA_RANK = 16
 ADMIN_KEY = "lsa-test-admin-key"
 LORASERVE = str(Path(sys.executable).with_name("loraserve"))
+
+
+def new_caller(state: AppState, name: str) -> Caller:
+    """A new tenant as the request path sees its caller (for tests that drive api/ functions directly)."""
+    with state.sessions() as session:
+        tenant, key = create_tenant(session, name=name)
+    return Caller(tenant=tenant, key_prefix=key_prefix(key))
 
 
 def free_port() -> int:

@@ -19,9 +19,8 @@ from api.settings import Settings
 from api.state import AppState
 from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestOutput
-from registry.keys import key_prefix
-from registry.tenants import create_tenant
 from registry.usage import export_usage
+from tests.api.conftest import new_caller
 
 MAX_TOKENS = 120
 
@@ -46,9 +45,7 @@ def state(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="module")
 def caller(state: AppState) -> Caller:
-    with state.sessions() as session:
-        tenant, key = create_tenant(session, name="cancel")
-    return Caller(tenant=tenant, key_prefix=key_prefix(key))
+    return new_caller(state, "cancel")
 
 
 def _plan(state: AppState, caller: Caller) -> GenerationPlan:

@@ -24,9 +24,8 @@ from api.state import AppState
 from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestMetrics, RequestOutput
 from base_engine.sampling_params import SamplingParams
-from registry.keys import key_prefix
-from registry.tenants import create_tenant
 from registry.usage import UsageRecord, export_usage
+from tests.api.conftest import new_caller
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +42,7 @@ def state(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="module")
 def caller(state: AppState) -> Caller:
-    with state.sessions() as session:
-        tenant, key = create_tenant(session, name="wiring")
-    return Caller(tenant=tenant, key_prefix=key_prefix(key))
+    return new_caller(state, "wiring")
 
 
 def records(state: AppState, tenant_id: str) -> dict[str, UsageRecord]:
