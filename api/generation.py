@@ -104,7 +104,7 @@ def plan_generation(
         n=n,
         num_prompt_tokens=sum(len(p) for p in prompts),
     )
-    seed = request_seed(body)
+    seed = request_seed(body, state.seeds)
     deterministic = state.settings.deterministic or bool(body.deterministic)
     if deterministic and (reason := engine.determinism.refusal()) is not None:
         raise APIError(400, reason, param="deterministic", code="unsupported_value")

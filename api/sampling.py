@@ -10,22 +10,24 @@ does by default (`--generation-config auto`): temperature, top_p, top_k, min_p, 
 each only where it differs from transformers' GenerationConfig default (vLLM reads the file's
 `to_diff_dict()`), then SamplingParams' own defaults.
 
-Seeds and `deterministic` (issue 18): every request runs with a seed; one that sends none gets one
-drawn by the server (63 bits, `request_seed`), reported in its provenance header, so any sampled
-answer can be replayed. The engine gives each seeded request its own generator: ~14 us once at
-admission, and a sampled row then draws its number alone, ~16 us per row and step against ~2 us in
-the shared batched draw (measured on the 2-core dev machine: +1 ms per step at 64 sampled rows, lost
-in the noise of bench-small's end-to-end throughput there); greedy rows never draw. `deterministic: true`
-asks for batch-invariant kernels; a server started with `--deterministic` runs every request so, and
-a request's `deterministic: false` is then accepted and overruled (the header says `deterministic=?1`):
-nobody is harmed by an answer that is reproducible, and clients that always send the field keep working.
+Seeds and `deterministic` (issue 18): every request runs with a seed; one that sends none gets one drawn
+by the server (63 bits, `SeedSource`: a stream seeded by `--seed`, default 0, as vLLM seeds its engine),
+reported in its provenance header, so any sampled answer can be replayed. The engine gives each seeded
+request its own generator: ~14 us once at admission, and a sampled row then draws its number alone, ~16
+us per row and step against ~2 us in the shared batched draw (measured on the 2-core dev machine: +1 ms
+per step at 64 sampled rows, lost in the noise of bench-small's end-to-end throughput there); greedy
+rows never draw. `deterministic: true` asks for batch-invariant kernels; a server started with
+`--deterministic` runs every request so, and a request's `deterministic: false` is then accepted and
+overruled (the header says `deterministic=?1`): nobody is harmed by an answer that is reproducible, and
+clients that always send the field keep working.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import secrets
+import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +74,24 @@ def derive_seed(seed: int | None, index: int) -> int | None:
     return (seed + index) % _SEED_SPAN
 
 
-def request_seed(body: CompletionRequest | ChatCompletionRequest) -> int:
-    """The seed of the request's first choice: the one it sent, else a fresh 63-bit one."""
-    return body.seed if body.seed is not None else secrets.randbits(63)
+class SeedSource:
+    """The seeds drawn for requests that send none: a stream of 63-bit numbers seeded by the server's
+    `seed` setting (and, in a fleet, its replica id, so replicas draw different streams). As with vLLM's
+    `--seed`, a server started again with the same seed draws the same sequence: a run of unseeded
+    requests replays after a restart, and a test suite's sampled answers are the same every run."""
+
+    def __init__(self, seed: int, replica_id: str | None = None) -> None:
+        self._rng = random.Random(f"{seed}:{replica_id or ''}")
+        self._lock = threading.Lock()  # requests are planned on worker threads
+
+    def draw(self) -> int:
+        with self._lock:
+            return self._rng.getrandbits(63)
+
+
+def request_seed(body: CompletionRequest | ChatCompletionRequest, seeds: SeedSource) -> int:
+    """The seed of the request's first choice: the one it sent, else the next drawn one."""
+    return body.seed if body.seed is not None else seeds.draw()
 
 
 def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list[int]]:

@@ -82,6 +82,10 @@ def serve(
             help=f"seconds a request body may take to arrive, else 408 {_default('request_body_timeout_s')}"
         ),
     ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(help=f"seeds the engine and the seeds drawn for unseeded requests {_default('seed')}"),
+    ] = None,
     log_level: Annotated[
         str | None, typer.Option(help=f"debug | info | warning | error {_default('log_level')}")
     ] = None,

@@ -41,6 +41,7 @@ from api.keyfiles import tenant_cache_salt
 from api.metering import UsageMeter
 from api.metrics import Metrics
 from api.quotas import QuotaLimiter
+from api.sampling import SeedSource
 from api.settings import Settings
 from api.uploads import UploadLimits, upload_limits
 from base_engine.async_engine import AsyncEngine
@@ -95,8 +96,10 @@ class AppState:
     upload_gate: UploadGate = field(init=False)
     upload_limits: UploadLimits = field(init=False)
     ready_probes: dict[str, Probe] = field(init=False)
+    seeds: SeedSource = field(init=False)  # for requests that send no seed (api/sampling.py)
 
     def __post_init__(self) -> None:
+        self.seeds = SeedSource(self.settings.seed, self.settings.replica_id)
         self.pools = BlockingPools(max_uploads=self.settings.max_concurrent_uploads)
         self.upload_gate = UploadGate(self.settings.max_concurrent_uploads)
         self.upload_limits = upload_limits(self.settings, self.base_shapes)

@@ -16,7 +16,7 @@ import api.model_hash
 from api.model_hash import CACHE_FILE, base_model_sha256
 from api.protocol import ChatCompletionRequest
 from api.provenance import git_sha, header_value
-from api.sampling import request_seed, sampling_params
+from api.sampling import SeedSource, request_seed, sampling_params
 from api.usage_journal import InFlightRequest, begin_line, finish_line, parse_line
 from base_engine.gguf import CONVERSION_VERSION, MARKER_FILE
 from registry.provenance import Provenance
@@ -134,9 +134,15 @@ def test_journal_keeps_provenance_across_a_crash() -> None:
 
 def test_seeds_are_drawn_and_server_wide_deterministic_wins() -> None:
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], deterministic=False)
-    seeds = {request_seed(body) for _ in range(50)}
-    assert len(seeds) == 50 and all(0 <= s < 2**63 for s in seeds)
-    assert request_seed(body.model_copy(update={"seed": -3})) == -3
+    source = SeedSource(0)
+    seeds = [request_seed(body, source) for _ in range(50)]
+    assert len(set(seeds)) == 50 and all(0 <= s < 2**63 for s in seeds)
+    assert request_seed(body.model_copy(update={"seed": -3}), source) == -3
+    # The stream follows the server's seed (a restart replays it) and differs per seed and per replica.
+    assert [request_seed(body, SeedSource(0)) for _ in range(1)] == seeds[:1]
+    again = SeedSource(0)
+    assert [again.draw() for _ in range(50)] == seeds
+    assert SeedSource(1).draw() != seeds[0] and SeedSource(0, "replica-b").draw() != seeds[0]
     params = sampling_params(body, num_prompt=2, max_model_len=16, index=2, seed=10, deterministic=True)
     assert params.deterministic and params.seed == 12  # choice 2 of seed 10
     assert not sampling_params(body, num_prompt=2, max_model_len=16, index=0, seed=10).deterministic
