@@ -6,6 +6,8 @@ receives plain values or config dataclasses built here (`engine_config()`), neve
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -135,6 +137,11 @@ class Settings(BaseSettings):
     def model_dir(self) -> Path:
         """The checkpoint directory to load; downloads or converts on first use (api/model_source.py)."""
         return resolve_model_dir(self.model_source, data_dir=self.data_dir, models_dir=self.models_path)
+
+    @property
+    def replica_name(self) -> str:
+        """`replica_id`, or "<hostname>-<pid>": unique per process on a host, readable in the console."""
+        return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"
 
     @property
     def model_name(self) -> str:

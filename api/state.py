@@ -99,7 +99,9 @@ class AppState:
     seeds: SeedSource = field(init=False)  # for requests that send no seed (api/sampling.py)
 
     def __post_init__(self) -> None:
-        self.seeds = SeedSource(self.settings.seed, self.settings.replica_id)
+        # Each fleet replica draws its own stream (a single server: the seed alone, the same every start).
+        replica = self.settings.replica_name if self.settings.fleet else None
+        self.seeds = SeedSource(self.settings.seed, replica)
         self.pools = BlockingPools(max_uploads=self.settings.max_concurrent_uploads)
         self.upload_gate = UploadGate(self.settings.max_concurrent_uploads)
         self.upload_limits = upload_limits(self.settings, self.base_shapes)

@@ -8,8 +8,6 @@ disk tier's index): cheap, never blocks on I/O.
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +18,7 @@ from registry.fleet_models import ReplicaState
 
 def replica_id_of(settings: Settings) -> str:
     """`settings.replica_id`, or "<hostname>-<pid>": unique per process on a host, readable in the console."""
-    return settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+    return settings.replica_name
 
 
 @dataclass(frozen=True, slots=True)

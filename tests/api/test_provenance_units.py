@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,6 +19,7 @@ from api.model_hash import CACHE_FILE, base_model_sha256
 from api.protocol import ChatCompletionRequest
 from api.provenance import git_sha, header_value
 from api.sampling import SeedSource, request_seed, sampling_params
+from api.settings import Settings
 from api.usage_journal import InFlightRequest, begin_line, finish_line, parse_line
 from base_engine.gguf import CONVERSION_VERSION, MARKER_FILE
 from registry.provenance import Provenance
@@ -143,6 +146,9 @@ def test_seeds_are_drawn_and_server_wide_deterministic_wins() -> None:
     again = SeedSource(0)
     assert [again.draw() for _ in range(50)] == seeds
     assert SeedSource(1).draw() != seeds[0] and SeedSource(0, "replica-b").draw() != seeds[0]
+    # A fleet replica's stream is keyed by its name: the given id, else one unique to the process.
+    assert Settings(replica_id="r-1").replica_name == "r-1"
+    assert Settings().replica_name == f"{socket.gethostname()}-{os.getpid()}"
     params = sampling_params(body, num_prompt=2, max_model_len=16, index=2, seed=10, deterministic=True)
     assert params.deterministic and params.seed == 12  # choice 2 of seed 10
     assert not sampling_params(body, num_prompt=2, max_model_len=16, index=0, seed=10).deterministic
