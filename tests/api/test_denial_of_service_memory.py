@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from adapters.limits import max_adapter_weights_bytes
-from adapters.types import LORA_MODULES, BaseModelShapes
+from adapters.types import LORA_MODULES
+from tests.adapters.helpers import tiny_shapes
 from tests.api.conftest import ADMIN_KEY, Server, ServerProcess
 from tests.api.dos_helpers import auth
 from tests.api.uploads import CONFIG, WEIGHTS
@@ -28,24 +29,11 @@ BIG |= {"intermediate_size": 1408, "vocab_size": 512}
 BIG_MAX_RANK = 160  # largest legal adapter: 8 layers x 7 projections x rank 160 x fp32 = 47.9 MB
 
 
-def _shapes() -> BaseModelShapes:
-    return BaseModelShapes(
-        model_type="llama",
-        num_layers=BIG["num_hidden_layers"],
-        hidden_size=BIG["hidden_size"],
-        intermediate_size=BIG["intermediate_size"],
-        num_attention_heads=BIG["num_attention_heads"],
-        num_key_value_heads=BIG["num_key_value_heads"],
-        head_dim=BIG["hidden_size"] // BIG["num_attention_heads"],
-        vocab_size=BIG["vocab_size"],
-    )
-
-
 def write_full_adapter(
     directory: Path, *, rank: int, seed: int, modules: tuple[str, ...] = LORA_MODULES
 ) -> Path:
     """A PEFT-format adapter on every layer of the BIG model: the largest legal one at `rank`."""
-    shapes, generator = _shapes(), torch.Generator().manual_seed(seed)
+    shapes, generator = tiny_shapes("llama", **BIG), torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(shapes.num_layers):
         for module in modules:
@@ -87,7 +75,7 @@ def test_three_concurrent_maximum_uploads_grow_rss_at_most_100_mb(
     make_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
     model_dir = make_checkpoint(arch="llama", **BIG)
-    limit = max_adapter_weights_bytes(_shapes(), BIG_MAX_RANK)
+    limit = max_adapter_weights_bytes(tiny_shapes("llama", **BIG), BIG_MAX_RANK)
     adapters = [write_full_adapter(tmp_path / f"max{i}", rank=BIG_MAX_RANK, seed=i) for i in range(3)]
     size = (adapters[0] / WEIGHTS).stat().st_size
     assert 3 * size > 140e6 and size <= limit  # three at once could add 144 MB: the bound means something
