@@ -4,6 +4,13 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples every run (`make test`, CI): a red run is reproducible, never a
+# rare draw on one machine. HYPOTHESIS_PROFILE=explore draws fresh ones each run, to hunt.
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
