@@ -82,6 +82,13 @@ def serve(
             help=f"seconds a request body may take to arrive, else 408 {_default('request_body_timeout_s')}"
         ),
     ] = None,
+    request_header_timeout_s: Annotated[
+        float | None,
+        typer.Option(
+            help="seconds a connection may take to send a request's headers (slow: 408 and closed) "
+            + _default("request_header_timeout_s")
+        ),
+    ] = None,
     seed: Annotated[
         int | None,
         typer.Option(help=f"seeds the engine and the seeds drawn for unseeded requests {_default('seed')}"),

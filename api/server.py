@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import socket
 from types import FrameType
 
@@ -19,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from api.app import drain
+from api.header_timeout import protocol_class
 from api.state import AppState
 
 logger = logging.getLogger(__name__)
@@ -58,15 +60,32 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def raise_open_file_limit(ceiling: int = 65536) -> int:
+    """Raises the soft open-files limit to the hard one (at most `ceiling`), as vLLM does at start:
+    every connection holds a descriptor, and many systems default the soft limit to 1024, which a
+    thousand idle connections would use up for everyone. Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:
+            logger.warning("could not raise the open-files limit from %d to %d: %s", soft, wanted, exc)
+    return soft
+
+
 def run(app: FastAPI, state: AppState) -> None:
     """Serve until a signal drains the server; returns normally (exit status 0)."""
     settings = state.settings
+    logger.info("open files limit: %d", raise_open_file_limit())
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
+        http=protocol_class(settings.request_header_timeout_s),  # slow headers: api/header_timeout.py
         # Our own logging configuration (api/cli_options.py) stays in place.
         log_config=None,
     )

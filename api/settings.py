@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     # Any other request body (JSON): larger is 413 before it is read (api/body_limit.py).
     max_request_body_bytes: int = Field(8 << 20, ge=1024)
     request_body_timeout_s: float = Field(60.0, gt=0)  # the whole body must arrive within it, else 408
+    # A request's headers must arrive within it of the connection opening or the last answer ending
+    # (api/header_timeout.py: partial headers -> 408, an idle connection is closed).
+    request_header_timeout_s: float = Field(20.0, gt=0)
     # Whole multipart body of an adapter upload; None = derived from the base model (the largest legal
     # adapter: seven projections, every layer, max_lora_rank, fp32; api/uploads.py `upload_limits`).
     max_upload_bytes: int | None = Field(None, ge=1)

@@ -1,6 +1,7 @@
 """Request bodies past `max_request_body_bytes` are refused with 413 before the server holds them, and
 bodies slower than `request_body_timeout_s` with 408 (api/body_limit.py), against a real server with a
-4 KiB / 2 s limit; adapter uploads keep their own limit.
+4 KiB / 2 s limit; adapter uploads keep their own limit. Headers slower than `request_header_timeout_s`
+(1.5 s here) get 408 too (api/header_timeout.py; its own tests: tests/api/test_header_timeout.py).
 
 Without the limit, one unauthenticated 400 MiB POST to /v1/completions made the server hold ~825 MB.
 """
@@ -21,6 +22,7 @@ from tests.api.uploads import files_of, peft_adapter, upload
 
 LIMIT = 4096
 TIMEOUT_S = 2.0
+HEADER_TIMEOUT_S = 1.5
 MODEL = "tiny-llama"
 
 
@@ -28,6 +30,7 @@ MODEL = "tiny-llama"
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args = ["--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--max-model-len", "256"]
     args += ["--max-request-body-bytes", str(LIMIT), "--request-body-timeout-s", str(TIMEOUT_S)]
+    args += ["--request-header-timeout-s", str(HEADER_TIMEOUT_S)]
     env = {"LORASERVE_ADMIN_KEY": ADMIN_KEY}
     process = ServerProcess(args, tmp_path_factory.mktemp("body") / "data", env=env).start()
     try:
@@ -100,6 +103,13 @@ def test_a_body_trickling_in_past_the_timeout_is_408(server: Server) -> None:
     status, error = _error(_raw(server, head, [b'{"model": "tiny']))  # then nothing more
     assert status == 408 and error["code"] == "request_timeout"
     assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 10
+
+
+def test_headers_that_stop_arriving_are_408_after_the_header_timeout(server: Server) -> None:
+    start = time.monotonic()
+    status, error = _error(_raw(server, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: a", []))
+    assert status == 408 and error["code"] == "request_timeout"
+    assert HEADER_TIMEOUT_S * 0.9 <= time.monotonic() - start < HEADER_TIMEOUT_S + 10
 
 
 def test_bodies_within_the_limit_and_uploads_are_served(server: Server, tmp_path: Path) -> None:
