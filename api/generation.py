@@ -84,7 +84,7 @@ def plan_generation(
     tools = None
     if isinstance(body, ChatCompletionRequest):
         tools = plan_tools(body, state.tokenizer)
-        prompts = [encode_chat_prompt(state.tokenizer, body, tools)]
+        prompts = [encode_chat_prompt(state.tokenizer, body, tools, engine.max_model_len)]
     else:
         prompts = encode_completion_prompts(engine, body)
     grammar = request_grammar(engine, body, tools)  # compiled here, in this worker thread

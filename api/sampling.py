@@ -3,7 +3,8 @@
 Everything here raises `APIError(400)` naming the field, before any engine work and before the 200 of
 a stream. Context length follows vLLM/OpenAI: prompt + max_tokens must fit in max_model_len
 ("This model's maximum context length is N tokens..."); an omitted `max_tokens` means "the rest of
-the context" on chat (OpenAI's behaviour) and 16 on completions (the OpenAI spec's default).
+the context" on chat (OpenAI's behaviour) and 16 on completions (the OpenAI spec's default). A text
+too long to fit whatever it encodes to is refused before it is encoded (`refuse_unfittable_text`).
 
 Sampling fields a request leaves out take the checkpoint's `generation_config.json` values, as vLLM
 does by default (`--generation-config auto`): temperature, top_p, top_k, min_p, repetition_penalty,
@@ -35,7 +36,8 @@ from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.tools import ToolPlan, template_messages, template_tools
 from base_engine.sampling_params import SamplingParams
-from base_engine.tokenizer import apply_chat_template
+from base_engine.token_bound import least_tokens
+from base_engine.tokenizer import render_chat
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # generation_config.json keys a request may leave to the checkpoint, with transformers' defaults
@@ -103,6 +105,9 @@ def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list
         items = list(prompt)
     if not items:
         raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    for item in items:  # all before any is encoded
+        if isinstance(item, str):
+            refuse_unfittable_text(engine.tokenizer, item, engine.max_model_len, "prompt")
     encoded = []
     for item in items:
         try:
@@ -116,15 +121,35 @@ def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list
 
 
 def encode_chat_prompt(
-    tokenizer: Any, body: ChatCompletionRequest, tools: ToolPlan | None = None
+    tokenizer: Any, body: ChatCompletionRequest, tools: ToolPlan | None, max_model_len: int
 ) -> list[int]:
-    """The rendered chat; with a tool plan, `tools` and tool turns go through the template too."""
+    """The rendered chat; with a tool plan, `tools` and tool turns go through the template too. The
+    template writes BOS itself: nothing is added."""
     messages = template_messages(body, tools)
     kwargs = {"tools": template_tools(tools)} if tools is not None else {}
     try:
-        return apply_chat_template(tokenizer, messages, **kwargs)
+        text = render_chat(tokenizer, messages, **kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+    refuse_unfittable_text(tokenizer, text, max_model_len, "messages")
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def refuse_unfittable_text(tokenizer: Any, text: str, max_model_len: int, param: str) -> None:
+    """400 for a text that encodes to more than max_model_len tokens whatever its content, decided from
+    its length (base_engine/token_bound.py) before the tokenizer spends seconds on it: the answer it
+    would get after encoding, but the count it names is a lower bound."""
+    least = least_tokens(tokenizer, text)
+    if least > max_model_len:
+        what = "prompt" if param == "prompt" else "chat as its template renders it"
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, the {what} is "
+            f"{len(text)} characters long, which is at least {least} tokens. Please reduce the length "
+            f"of the {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _max_tokens(body: CompletionRequest | ChatCompletionRequest, num_prompt: int, max_model_len: int) -> int:

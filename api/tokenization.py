@@ -18,6 +18,7 @@ from api.deps import Caller
 from api.errors import APIError
 from api.generation import resolve_model
 from api.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
+from api.sampling import refuse_unfittable_text
 from api.state import AppState
 from api.tools import plan_tools, template_messages, template_tools
 from base_engine.tokenizer import render_chat
@@ -52,6 +53,7 @@ class DetokenizeRequest(_Strict):
 def _token_ids(state: AppState, body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
     tokenizer = state.tokenizer
     if isinstance(body, TokenizeCompletionRequest):
+        refuse_unfittable_text(tokenizer, body.prompt, state.max_model_len, "prompt")
         return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(
@@ -74,6 +76,7 @@ def _token_ids(state: AppState, body: TokenizeCompletionRequest | TokenizeChatRe
         )
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+    refuse_unfittable_text(tokenizer, text, state.max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
 
 

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.state import AppState
+from base_engine.token_bound import max_chars_per_token
 from tests.api import console_helpers as ch
 from tests.api.uploads import CONFIG, WEIGHTS, files_of, peft_adapter
 
@@ -215,3 +216,45 @@ def test_console_quota_form_refuses_what_the_columns_cannot_hold() -> None:
     with pytest.raises(ValueError, match="max_concurrent"):
         TenantQuotas(max_concurrent=2**31)
     assert parse_quotas({"max_adapter_bytes": str(BIG - 1)}).max_adapter_bytes == BIG - 1
+
+
+def test_a_text_too_long_for_any_encoding_is_refused_before_it_is_encoded(
+    client: TestClient, tenant: dict[str, Any], app_state: tuple[FastAPI, AppState], monkeypatch: Any
+) -> None:
+    """base_engine/token_bound.py: the tokenizer never sees a text that cannot fit (SmolLM2's took ~11 s
+    of CPU for the 8 MiB a body may hold); one that might fit is encoded and judged as before."""
+    state = app_state[1]
+    tokenizer, limit = state.tokenizer, state.max_model_len
+    encoded: list[int] = []
+    real_encode = tokenizer.encode
+    monkeypatch.setattr(
+        tokenizer, "encode", lambda *a, **k: encoded.append(len(a[0])) or real_encode(*a, **k)
+    )
+    bound = max_chars_per_token(tokenizer)
+    assert bound is not None
+    text = "x" * (bound * limit + 1)
+    chat = [{"role": "user", "content": text}]
+    cases = [
+        ("/v1/completions", {"model": BASE, "prompt": text, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"model": BASE, "prompt": ["hi", text], "max_tokens": 1}, "prompt"),
+        ("/v1/chat/completions", {"model": BASE, "messages": chat, "max_tokens": 1}, "messages"),
+        ("/tokenize", {"model": BASE, "prompt": text}, "prompt"),
+        ("/tokenize", {"model": BASE, "messages": chat}, "messages"),
+    ]
+    for path, body, param in cases:
+        r = client.post(path, json=body, headers=auth(tenant))
+        error = assert_error(r, 400, param=param, code="context_length_exceeded")
+        assert f"maximum context length is {limit} tokens" in error["message"]
+        what = (
+            f"the prompt is {len(text)}"
+            if param == "prompt"
+            else r"the chat as its template renders it is \d+"
+        )
+        assert re.search(f"{what} characters long, which is at least", error["message"]), error
+    assert encoded == []
+    # At the bound itself the text might fit: it is encoded, and refused for its real token count.
+    r = client.post(
+        "/v1/completions", json={"model": BASE, "prompt": text[:-1], "max_tokens": 1}, headers=auth(tenant)
+    )
+    error = assert_error(r, 400, param="prompt", code="context_length_exceeded")
+    assert "in the prompt, 1 in the completion" in error["message"] and encoded == [len(text) - 1]
