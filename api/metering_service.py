@@ -79,6 +79,7 @@ def install(state: AppState) -> None:
     state.quotas = open_limiter(settings, state.sessions, defaults)  # a fleet's lives in the database
     sampler = MetricsSampler(state)
     sampler.start()
+    state.plan_checks.append(functools.partial(precheck_quota, state))
     state.admission_checks.append(functools.partial(check_quota, state))
     state.on_admitted.append(functools.partial(begin_usage, state))
     state.on_progress.append(functools.partial(note_progress, state))
@@ -86,6 +87,17 @@ def install(state: AppState) -> None:
     state.on_drain.append(sampler.stop)
     state.on_drain.append(meter.stop)  # after the drain: every admitted request has finished
     state.on_drain.append(state.quotas.stop)  # the database backend writes its pending releases
+
+
+def precheck_quota(state: AppState, tenant_id: str, quotas: TenantQuotas | None) -> None:
+    """The plan check: 429 at once for a tenant that no request could be admitted for right now."""
+    assert state.quotas is not None
+    try:
+        state.quotas.precheck(tenant_id, quotas)
+    except QuotaExceededError as exc:
+        error = quota_error(exc)
+        error.headers = {**exc.headers, **error.headers}
+        raise error from None
 
 
 def check_quota(state: AppState, ctx: RequestContext) -> Release:

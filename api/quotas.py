@@ -236,6 +236,19 @@ class QuotaLimiter:
             headers = headers_of(state, limits, self.window_s)
         return Admission(self, tenant_id, estimated_tokens, headers=headers)
 
+    def precheck(self, tenant_id: str, quotas: TenantQuotas | None) -> None:
+        """Raise QuotaExceededError (with headers) when no request of this tenant could be admitted now:
+        no concurrency slot, no request or no token left. Takes nothing (`admit` decides); lets the
+        server refuse before it spends any work (tokenizing, compiling a grammar) on the request."""
+        limits = self.limits(quotas)
+        with self._lock:
+            state = self._refill(tenant_id, limits)
+            try:
+                check(tenant_id, limits, state, 1, self.window_s)  # any request needs >= 1 token
+            except QuotaExceededError as exc:
+                exc.headers = headers_of(state, limits, self.window_s)
+                raise
+
     def _refill(self, tenant_id: str, limits: Limits) -> TenantState:
         state = self._tenants.setdefault(tenant_id, TenantState())
         refill(state, limits, self.clock(), self.window_s)

@@ -100,6 +100,10 @@ class DbQuotaLimiter(QuotaLimiter):
 
     # ---- admission ---------------------------------------------------------------------------
 
+    def precheck(self, tenant_id: str, quotas: TenantQuotas | None) -> None:
+        """None here: a fleet's decision is one database transaction, at admission; a pre-check would
+        double the round trips of every request to spare the planning of refused ones."""
+
     def admit(self, tenant_id: str, quotas: TenantQuotas | None, *, estimated_tokens: int) -> Admission:
         if estimated_tokens < 0:
             raise ValueError(f"estimated_tokens must be >= 0, got {estimated_tokens}")

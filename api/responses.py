@@ -27,7 +27,7 @@ from api import provenance
 from api.adapter_fetch import RETRY_AFTER_S as ADAPTER_RETRY_AFTER_S
 from api.adapter_fetch import StoreUnreachable
 from api.admission import NOT_ADMITTED, Ticket
-from api.context import RequestContext, RequestKind, Usage, compute_usage
+from api.context import RequestContext, RequestKind, Usage, compute_usage, new_request_id
 from api.deps import Caller
 from api.errors import APIError
 from api.generation import (
@@ -78,6 +78,12 @@ async def create_completion(
     body: CompletionRequest | ChatCompletionRequest,
     kind: RequestKind,
 ) -> Response:
+    try:
+        for check in state.plan_checks:  # e.g. a tenant already over its limits: nothing tokenized
+            check(caller.tenant.id, caller.tenant.quotas)
+    except APIError as exc:
+        exc.headers = {"X-Request-Id": new_request_id(kind), **exc.headers}
+        raise
     plan = await run_in_threadpool(
         plan_generation, state=state, session=session, caller=caller, body=body, kind=kind
     )

@@ -1,6 +1,8 @@
 """Everything the app needs at run time, built once at start-up (api/bootstrap.py) and shared by routes.
 
 Seams for the metering / metrics / quota layer (issue 7):
+- `plan_checks`: `check(tenant_id, quotas)`, run before a request is planned (tokenized); raise
+  `APIError` to refuse it at no cost (a tenant already over its rate limits).
 - `admission_checks`: `check(ctx) -> release | None`, run before any engine work; raise
   `APIError(429, ...)` to refuse, put `x-ratelimit-*` into `ctx.response_headers`; the returned
   `release(usage | None)` runs once when the request ends (`ctx.estimated_tokens` for estimates), or
@@ -49,7 +51,7 @@ from base_engine.engine import DTYPES
 from registry.disk_cache import DiskTier
 from registry.provenance import Provenance
 from registry.store import ObjectStore
-from registry.types import AdapterVersionInfo
+from registry.types import AdapterVersionInfo, TenantQuotas
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class AppState:
     admission: Admission
     inflight: InFlight = field(default_factory=InFlight)
     started_at: int = field(default_factory=lambda: int(time.time()))
+    plan_checks: list[Callable[[str, TenantQuotas | None], None]] = field(default_factory=list)
     admission_checks: list[AdmissionCheck] = field(default_factory=list)
     on_admitted: list[Callable[[RequestContext], None]] = field(default_factory=list)
     on_progress: list[Callable[[RequestContext, Usage], None]] = field(default_factory=list)
