@@ -27,7 +27,7 @@ from api.header_timeout import H11HeaderDeadline, protocol_class
 from tests.api.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-DEADLINE_S = 0.5
+DEADLINE_S = 1.0
 GET = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
 
 
@@ -35,10 +35,10 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-    if scope["path"] == "/slow":  # an answer that takes 4 deadlines: a long stream must not be cut
+    if scope["path"] == "/slow":  # an answer that takes 3 deadlines: a long stream must not be cut
         for _ in range(4):
             await send({"type": "http.response.body", "body": b"tick\n", "more_body": True})
-            await asyncio.sleep(DEADLINE_S)
+            await asyncio.sleep(DEADLINE_S * 0.75)
     await send({"type": "http.response.body", "body": b"done\n"})
 
 
@@ -152,10 +152,10 @@ def test_deadline_starts_again_after_each_response(port: int) -> None:
         for _ in range(3):  # prompt requests on one connection, spaced by less than the deadline
             sock.sendall(GET)
             assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
-            time.sleep(DEADLINE_S / 3)
+            time.sleep(DEADLINE_S / 10)
         sock.sendall(b"GET /slow HTTP/1.1\r\nHost: test\r\n\r\n")  # longer than the deadline
         assert _read_response(sock).count(b"tick") == 4
-        time.sleep(DEADLINE_S / 3)
+        time.sleep(DEADLINE_S / 10)
         sock.sendall(GET)  # the deadline counts from the end of the previous answer, not from before it
         assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
         sock.sendall(GET[:-2])  # all but the blank line that ends the headers
