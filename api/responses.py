@@ -84,9 +84,10 @@ async def create_completion(
     except APIError as exc:
         exc.headers = {"X-Request-Id": new_request_id(kind), **exc.headers}
         raise
-    plan = await run_in_threadpool(
-        plan_generation, state=state, session=session, caller=caller, body=body, kind=kind
-    )
+    async with state.plan_gate.slot(caller.tenant.id):  # one tenant cannot fill the worker threads
+        plan = await run_in_threadpool(
+            plan_generation, state=state, session=session, caller=caller, body=body, kind=kind
+        )
     ctx = plan.ctx
     try:
         await _fetch_adapter(state, plan)

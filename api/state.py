@@ -42,6 +42,7 @@ from api.context import RequestContext, Usage
 from api.keyfiles import tenant_cache_salt
 from api.metering import UsageMeter
 from api.metrics import Metrics
+from api.plan_gate import PlanGate
 from api.quotas import QuotaLimiter
 from api.sampling import SeedSource
 from api.settings import Settings
@@ -100,6 +101,7 @@ class AppState:
     upload_limits: UploadLimits = field(init=False)
     ready_probes: dict[str, Probe] = field(init=False)
     seeds: SeedSource = field(init=False)  # for requests that send no seed (api/sampling.py)
+    plan_gate: PlanGate = field(init=False)  # per-tenant bound on requests being planned at once
 
     def __post_init__(self) -> None:
         # Each fleet replica draws its own stream (a single server: the seed alone, the same every start).
@@ -107,6 +109,7 @@ class AppState:
         self.seeds = SeedSource(self.settings.seed, replica)
         self.pools = BlockingPools(max_uploads=self.settings.max_concurrent_uploads)
         self.upload_gate = UploadGate(self.settings.max_concurrent_uploads)
+        self.plan_gate = PlanGate(self.settings.max_concurrent_plans_per_tenant)
         self.upload_limits = upload_limits(self.settings, self.base_shapes)
         self.ready_probes = {
             "database": Probe("database", self._ping_database, self.pools.probes),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 
 from api import tokenization
 from api.deps import SessionDep, StateDep, TenantDep
@@ -15,13 +16,16 @@ router = APIRouter(tags=["tokenize"])
 
 
 @router.post("/tokenize", responses=responses(400, 401, 404))
-def tokenize(
+async def tokenize(
     body: TokenizeCompletionRequest | TokenizeChatRequest,
     state: StateDep,
     session: SessionDep,
     caller: TenantDep,
 ) -> dict[str, Any]:
-    return tokenization.tokenize(state=state, session=session, caller=caller, body=body)
+    async with state.plan_gate.slot(caller.tenant.id):  # as completions: api/plan_gate.py
+        return await run_in_threadpool(
+            tokenization.tokenize, state=state, session=session, caller=caller, body=body
+        )
 
 
 @router.post("/detokenize", responses=responses(400, 401, 404))
