@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
 from collections import defaultdict
 from typing import Any
 
@@ -19,7 +18,6 @@ from api.plan_gate import PlanGate
 from api.state import AppState
 from tests.api import console_helpers as ch
 
-ADMIN = {"Authorization": f"Bearer {ch.ADMIN}"}
 SLOW = "SLOW-TO-TOKENIZE "
 
 
@@ -66,11 +64,10 @@ def test_a_burst_of_slow_prompts_takes_at_most_the_bound_of_planning_threads(
     app, state = app_state
     bound = state.settings.max_concurrent_plans_per_tenant
     client = TestClient(app, base_url=ch.BASE_URL, raise_server_exceptions=False)
-    keys = []
-    for _ in range(2):
-        r = client.post("/admin/api/tenants", json={"name": f"gate-{uuid.uuid4().hex[:8]}"}, headers=ADMIN)
-        assert r.status_code == 201, r.text
-        keys.append(r.json()["api_key"])
+    keys = [
+        ch.admin_api(app, "POST", "/tenants", json={"name": ch.new_tenant_name()})["api_key"]
+        for _ in range(2)
+    ]
     lock, tokenizing, peak = threading.Lock(), [0], [0]
     real_encode = state.tokenizer.encode
 

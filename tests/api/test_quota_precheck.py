@@ -4,7 +4,6 @@ admission would give, with the OpenAI rate-limit headers. In process on the real
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
@@ -16,7 +15,6 @@ from api.state import AppState
 from registry.types import TenantQuotas
 from tests.api import console_helpers as ch
 
-ADMIN = {"Authorization": f"Bearer {ch.ADMIN}"}
 PROMPT = "a prompt the tokenizer should see only when the request can be admitted"
 
 
@@ -51,13 +49,9 @@ def test_a_tenant_over_its_limit_is_refused_before_its_prompt_is_tokenized(
 ) -> None:
     app, state = app_state
     client = TestClient(app, base_url=ch.BASE_URL, raise_server_exceptions=False)
-    r = client.post("/admin/api/tenants", json={"name": f"pre-{uuid.uuid4().hex[:8]}"}, headers=ADMIN)
-    assert r.status_code == 201, r.text
-    tenant = r.json()
+    tenant = ch.admin_api(app, "POST", "/tenants", json={"name": ch.new_tenant_name()})
     quotas = {"rpm": 2, "tpm": None, "max_concurrent": None, "max_adapters": None, "max_adapter_bytes": None}
-    assert (
-        client.put(f"/admin/api/tenants/{tenant['id']}/quotas", json=quotas, headers=ADMIN).status_code == 200
-    )
+    assert ch.admin_api(app, "PUT", f"/tenants/{tenant['id']}/quotas", json=quotas)["quotas"] == quotas
     seen: list[str] = []
     real_encode = state.tokenizer.encode
 
