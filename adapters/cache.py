@@ -19,13 +19,11 @@ from functools import partial
 import torch
 
 from adapters.format import LoraAdapter, load_adapter
-from adapters.loader import RETRY_UNREACHABLE_S, AdapterLoader, Fetch, PendingLoad
+from adapters.loader import AdapterLoader, Fetch, PendingLoad
 from adapters.slots import SlotPool
 from adapters.types import AdapterRef, BaseModelShapes
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["RETRY_UNREACHABLE_S", "AdapterCache", "CacheStats", "Fetch", "adapter_bytes"]
 
 
 @dataclass(slots=True)
@@ -185,9 +183,6 @@ class AdapterCache:
         state.num_requests -= 1
         state.last_used = time.monotonic()
 
-    def has_free_slot(self) -> bool:
-        return any(self._is_evictable(s) for s in self.slots)
-
     def _is_evictable(self, state: _Slot) -> bool:
         return state.ref is None or (state.num_requests == 0 and state.ref.id not in self.pinned)
 
@@ -241,9 +236,6 @@ class AdapterCache:
 
     def num_in_flight(self) -> int:
         return sum(s.num_requests for s in self.slots)
-
-    def shutdown(self) -> None:
-        self.loader.shutdown()
 
 
 def adapter_bytes(adapter: LoraAdapter) -> int:

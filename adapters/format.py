@@ -14,7 +14,7 @@ field or tensor (see adapters/README.md).
 
 The steps live next to this module: files.py reads the two files, safetensors_header.py checks the
 weights' header (and maps tensors without copying), factors.py maps tensor names to projections and
-checks shapes, finiteness and the overflow bound. Their public names are re-exported here.
+checks shapes, finiteness and the overflow bound.
 """
 
 from __future__ import annotations
@@ -27,27 +27,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from adapters.factors import check_delta_bound, checked_factors, max_activation, split_tensors
-from adapters.files import CONFIG_NAME, PICKLE_NAME, WEIGHTS_NAME, AdapterFiles, read_adapter_files
-from adapters.peft_config import SUPPORTED_MODEL_TYPES, check_fields, parse_spec, resolve_targets
+from adapters.factors import check_delta_bound, checked_factors, split_tensors
+from adapters.files import WEIGHTS_NAME, AdapterFiles, read_adapter_files
+from adapters.peft_fields import SUPPORTED_MODEL_TYPES, check_fields
+from adapters.peft_rank import parse_spec
+from adapters.peft_targets import resolve_targets
 from adapters.safetensors_header import check_header, mapped_tensors
 from adapters.types import LORA_MODULES, AdapterFormatError, AdapterValidationError, BaseModelShapes
-
-__all__ = [
-    "CONFIG_NAME",
-    "PICKLE_NAME",
-    "WEIGHTS_NAME",
-    "AdapterFiles",
-    "AdapterFormatError",
-    "LoraAdapter",
-    "LoraPair",
-    "check_delta_bound",
-    "check_header",
-    "load_adapter",
-    "max_activation",
-    "parse_adapter",
-    "read_adapter_files",
-]
 
 
 @dataclass(frozen=True, slots=True)

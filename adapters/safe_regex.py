@@ -6,7 +6,7 @@ PEFT matches `target_modules` / `exclude_modules` (a string), `layers_pattern` a
 accepted only when
 
 1. it is ASCII, at most `MAX_PATTERN_CHARS` long (and a config's patterns together at most
-   `MAX_TOTAL_PATTERN_CHARS`, checked by adapters/peft_config.py);
+   `MAX_TOTAL_PATTERN_CHARS`, checked by adapters/peft_fields.py);
 2. Python's `re` compiles it, exactly as PEFT would see it (so we never accept what PEFT refuses);
 3. it avoids the few constructs that both engines accept but read differently: Python 3.11's
    `x{,n}` (RE2: the literal text), a POSIX class `[[:alpha:]]` (Python: a set of `[`, `:`, ...)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from adapters.format import parse_adapter, read_adapter_files
+from adapters.files import read_adapter_files
+from adapters.format import parse_adapter
 from adapters.types import AdapterSummary, AdapterValidationError, BaseModelShapes
 
 __all__ = ["validate_adapter"]

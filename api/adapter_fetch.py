@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from adapters.cache import RETRY_UNREACHABLE_S
+from adapters.loader import RETRY_UNREACHABLE_S
 from adapters.types import AdapterRef
 from registry.disk_cache import DiskTier
 from registry.errors import StoreUnavailable

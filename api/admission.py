@@ -99,11 +99,6 @@ class Admission:
         with self._lock:
             return dict(self._by_tenant)
 
-    def fair_share(self, tenant: str | None = None) -> int:
-        """Slots `tenant` may hold while others below their share wait (see the module docstring)."""
-        with self._lock:
-            return self._share(tenant, self._clock())
-
     def _share(self, tenant: str | None, now: float) -> int:
         # Caller holds the lock.
         for t, until in list(self._waiting.items()):

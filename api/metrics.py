@@ -32,25 +32,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from api.metric_series import (
-    ITL_BUCKETS,
-    REQUEST_TIME_BUCKETS,
-    TTFT_BUCKETS,
     LoraserveSeries,
     VllmSeries,
-    one_two_five_buckets,
 )
 from api.metrics_window import RecentStats
 from base_engine.outputs import EngineStats, RequestOutput
-
-__all__ = [
-    "ITL_BUCKETS",
-    "OTHER_TENANT",
-    "REQUEST_TIME_BUCKETS",
-    "TTFT_BUCKETS",
-    "Metrics",
-    "adapter_label",
-    "one_two_five_buckets",
-]
 
 OTHER_TENANT = "other"
 

@@ -17,29 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from base_engine.decode_buckets import (
-    BUCKET_COST_BLOCKS,
-    MAX_DECODE_BUCKETS,
     DecodeBucket,
-    build_decode_buckets,
-    build_token_buckets,
-    plan_decode_buckets,
 )
 from kernels.attention import PagedAttentionMeta, paged_attention
 
 # The bucket planner moved to base_engine/decode_buckets.py; its names stay importable from here.
-__all__ = [
-    "BUCKET_COST_BLOCKS",
-    "MAX_DECODE_BUCKETS",
-    "AttentionMetadata",
-    "DecodeBucket",
-    "PrefillChunk",
-    "attend",
-    "build_decode_buckets",
-    "build_token_buckets",
-    "chunk_mask",
-    "plan_decode_buckets",
-    "write_kv",
-]
 
 
 @dataclass(slots=True)
@@ -60,10 +42,6 @@ class AttentionMetadata:
     # A deterministic step (base_engine/invariant.py): batch-invariant GEMMs, and every token (prefill or
     # decode) attended alone in `decode_buckets` (build_token_buckets), so `prefills` is empty.
     invariant: bool = False
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(len(b.rows) for b in self.decode_buckets)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

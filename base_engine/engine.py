@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from adapters.cache import Fetch
+from adapters.loader import Fetch
 from adapters.types import AdapterRef
 from base_engine.block_manager import BlockManager
 from base_engine.config import load_model_config
 from base_engine.detokenizer import Detokenizer
-from base_engine.device import DTYPES, check_device, resolve_dtype
+from base_engine.device import check_device, resolve_dtype
 from base_engine.engine_config import EngineConfig
 from base_engine.invariant import Determinism
 from base_engine.kv_sizing import plan_memory
@@ -35,7 +35,6 @@ from base_engine.weights import load_model
 logger = logging.getLogger(__name__)
 
 # DTYPES and check_device moved to base_engine/device.py; the CLI still imports them from here.
-__all__ = ["DTYPES", "LLMEngine", "check_device", "resolve_dtype"]
 
 
 class LLMEngine:

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from adapters.cache import AdapterCache, Fetch
+from adapters.cache import AdapterCache
+from adapters.loader import Fetch
 from adapters.slots import SlotPool
 from adapters.types import AdapterRef
 from base_engine.lora_policy import LoraAdmissionPolicy
 from base_engine.outputs import RequestOutput
-from base_engine.sequence import Sequence, SequenceStatus
+from base_engine.sequence import Sequence
 from kernels.sgmv import SgmvMeta, add_lora, build_meta
 
 if TYPE_CHECKING:
@@ -186,6 +187,3 @@ def make_decode_graphs(engine: LLMEngine, *, capture: bool) -> DecodeGraphs:
         make_lora_batch=LoraStepBatch,
         capture=capture,
     )
-
-
-__all__ = ["LoraManager", "LoraStepBatch", "SequenceStatus", "make_decode_graphs", "make_lora_manager"]

@@ -13,15 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from base_engine.attention import (
-    AttentionMetadata,
-    DecodeBucket,
-    PrefillChunk,
-    build_decode_buckets,
-    build_token_buckets,
-    chunk_mask,
-)
+from base_engine.attention import AttentionMetadata, PrefillChunk, chunk_mask
 from base_engine.config import ModelConfig
+from base_engine.decode_buckets import DecodeBucket, build_decode_buckets, build_token_buckets
 from base_engine.model import CausalLM, LoraBatch
 from base_engine.rope import RopeCache
 from base_engine.scheduler import ScheduledSeq, SchedulerOutput

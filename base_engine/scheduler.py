@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from base_engine.block_manager import BlockManager
@@ -71,14 +71,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         policy: AdmissionPolicy | None = None,
-        on_preempt: Callable[[Sequence], None] | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy or AdmissionPolicy()
-        self.on_preempt = on_preempt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -178,8 +176,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
-        if self.on_preempt is not None:
-            self.on_preempt(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """The only place a request leaves the scheduler (finished, aborted or failed)."""

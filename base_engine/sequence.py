@@ -99,7 +99,3 @@ class Sequence:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : stop - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
-
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

@@ -6,8 +6,7 @@ generation_config.json), plus a byte-level BPE tokenizer (GPT-2 / Llama-3 style 
 pre-tokenizer) with Llama-3's special tokens and chat template format, so the engine loads it exactly
 as it would load a published checkpoint. Nothing is downloaded.
 
-The tokenizer is built by tiny_tokenizer.py and its chat formats come from tiny_chat_formats.py; their
-names are re-exported here, where tests and benchmarks import them.
+The tokenizer is built by tiny_tokenizer.py and its chat formats come from tiny_chat_formats.py.
 """
 
 from __future__ import annotations
@@ -29,43 +28,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from base_engine.tiny_chat_formats import (
-    BOS_TOKEN,
-    CHAT_FORMATS,
-    CHAT_TEMPLATE,
-    END_HEADER_TOKEN,
-    END_OF_TEXT_TOKEN,
-    EOS_TOKEN,
-    HERMES_TEMPLATE,
-    MISTRAL_TEMPLATE,
-    SPECIAL_TOKENS,
-    START_HEADER_TOKEN,
-    ChatFormat,
-)
-from base_engine.tiny_tokenizer import (
-    CORPUS,
-    MIN_TOKENIZER_VOCAB,
-    _trained_tokenizer_json,  # noqa: F401  (tests clear its cache here)
-    build_tokenizer,
-)
-
-__all__ = [
-    "BOS_TOKEN",
-    "CHAT_FORMATS",
-    "CHAT_TEMPLATE",
-    "CORPUS",
-    "END_HEADER_TOKEN",
-    "END_OF_TEXT_TOKEN",
-    "EOS_TOKEN",
-    "HERMES_TEMPLATE",
-    "MIN_TOKENIZER_VOCAB",
-    "MISTRAL_TEMPLATE",
-    "SPECIAL_TOKENS",
-    "START_HEADER_TOKEN",
-    "ChatFormat",
-    "build_tokenizer",
-    "save_random_checkpoint",
-]
+from base_engine.tiny_chat_formats import END_OF_TEXT_TOKEN
+from base_engine.tiny_tokenizer import build_tokenizer
 
 _ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),

@@ -24,13 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from base_engine.attention import (  # noqa: E402
-    MAX_DECODE_BUCKETS,
-    AttentionMetadata,
-    DecodeBucket,
-    attend,
-    build_decode_buckets,
-)
+from base_engine.attention import AttentionMetadata, attend
+from base_engine.decode_buckets import MAX_DECODE_BUCKETS, DecodeBucket, build_decode_buckets
 from benchmarks.common import setup_threads  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16

@@ -114,7 +114,8 @@ class Pool:
 
 
 def _engine_decode_meta(pool: Pool, lengths: list[int], dtype: torch.dtype, device: torch.device):
-    from base_engine.attention import AttentionMetadata, build_decode_buckets
+    from base_engine.attention import AttentionMetadata
+    from base_engine.decode_buckets import build_decode_buckets
 
     extra = {"null_block": 0} if "null_block" in inspect.signature(build_decode_buckets).parameters else {}
     buckets = build_decode_buckets(

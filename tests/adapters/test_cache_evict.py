@@ -63,7 +63,7 @@ def test_evict_drops_pin_host_copy_and_idle_slot_but_not_a_busy_one(tmp_path: Pa
         assert cache.evict(busy.id) is True and cache.residency() == {}
         assert all(s.ref is None for s in cache.slots) and cache.evict("never/loaded@1") is True
     finally:
-        cache.shutdown()
+        cache.loader.shutdown()
 
 
 def test_a_new_adapter_lands_when_every_slot_holds_an_idle_one(tmp_path: Path) -> None:
@@ -81,4 +81,4 @@ def test_a_new_adapter_lands_when_every_slot_holds_an_idle_one(tmp_path: Path) -
         cache.acquire(refs[0])  # the other idle slot takes a reloaded copy; nothing busy was touched
         assert cache.slot_of[refs[2].id] == slot and cache.slots[slot].num_requests == 1
     finally:
-        cache.shutdown()
+        cache.loader.shutdown()

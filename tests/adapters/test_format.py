@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adapters import LORA_MODULES, AdapterFormatError, load_adapter
-from adapters.peft_config import module_keys
+from adapters.peft_targets import module_keys
 from tests.adapters.helpers import (
     edit_config,
     edit_tensors,

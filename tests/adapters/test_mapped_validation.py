@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from adapters import AdapterFormatError, load_adapter, validate_adapter
-from adapters.format import read_adapter_files
+from adapters.files import read_adapter_files
 from adapters.limits import max_adapter_weights_bytes
 from tests.adapters.helpers import save_peft_adapter, tiny_shapes
 

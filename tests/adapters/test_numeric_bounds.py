@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adapters import AdapterValidationError, validate_adapter
-from adapters.format import max_activation
+from adapters.factors import max_activation
 from tests.adapters.helpers import edit_config, edit_tensors, save_peft_adapter, tiny_shapes
 
 LIMITS = {"max_lora_rank": 64, "max_size_bytes": 10 << 20}

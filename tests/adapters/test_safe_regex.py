@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters import AdapterFormatError
-from adapters.peft_config import module_keys, parse_spec, resolve_targets
+from adapters.peft_rank import parse_spec
+from adapters.peft_targets import module_keys, resolve_targets
 from adapters.safe_regex import MAX_PATTERN_CHARS, MAX_PATTERN_KEYS, compile_pattern
 from tests.adapters.helpers import tiny_shapes
 

@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.metrics import Metrics, one_two_five_buckets
+from api.metric_series import one_two_five_buckets
+from api.metrics import Metrics
 from api.metrics_window import RecentStats
 from base_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 

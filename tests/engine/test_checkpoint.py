@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from base_engine.checkpoint import INDEX_FILE, CheckpointReader, MissingTensorError
-from base_engine.tiny_checkpoint import build_tokenizer, save_random_checkpoint
+from base_engine.tiny_checkpoint import save_random_checkpoint
+from base_engine.tiny_tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

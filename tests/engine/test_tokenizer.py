@@ -9,14 +9,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from base_engine import tiny_checkpoint
-from base_engine.tiny_checkpoint import (
-    BOS_TOKEN,
-    END_OF_TEXT_TOKEN,
-    EOS_TOKEN,
-    SPECIAL_TOKENS,
-    build_tokenizer,
-)
+from base_engine import tiny_tokenizer
+from base_engine.tiny_chat_formats import BOS_TOKEN, END_OF_TEXT_TOKEN, EOS_TOKEN, SPECIAL_TOKENS
+from base_engine.tiny_tokenizer import build_tokenizer
 from base_engine.tokenizer import CHAT_TEMPLATE_FILE, apply_chat_template, load_tokenizer, render_chat
 
 TEXTS = [
@@ -33,7 +28,7 @@ MESSAGES = [
 
 def test_build_tokenizer_is_deterministic() -> None:
     first = build_tokenizer()
-    tiny_checkpoint._trained_tokenizer_json.cache_clear()  # train again from scratch
+    tiny_tokenizer._trained_tokenizer_json.cache_clear()  # train again from scratch
     second = build_tokenizer()
     assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
     assert len(first) == 512

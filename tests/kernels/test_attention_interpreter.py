@@ -19,15 +19,13 @@ import pytest
 import torch
 
 from kernels.attention import paged_decode_attention, triton_ops
-from tests.kernels.test_attention_reference import (
+from tests.kernels.attention_cases import decode_case, mixed_lengths, prefill_case
+from tests.kernels.attention_oracle import (
     case_id,
     check_decode,
     check_prefill,
-    decode_case,
     decode_oracle,
-    mixed_lengths,
     one_thread,
-    prefill_case,
     run_decode,
 )
 
@@ -93,7 +91,7 @@ def test_prefill_with_small_tiles_and_groups_of_three() -> None:
             sliding_window=sliding_window, max_query_len=max_query_len, block_m=16, block_n=16,
         )  # fmt: skip
 
-    from tests.kernels.test_attention_reference import prefill_oracle
+    from tests.kernels.attention_oracle import prefill_oracle
 
     for poisoned in (False, True):
         pool = case.pool

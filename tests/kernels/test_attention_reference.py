@@ -14,32 +14,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.kernels.attention_cases import decode_case, mixed_lengths, prefill_case
+from tests.kernels.attention_cases import decode_case, prefill_case
 from tests.kernels.attention_oracle import (
     assert_close,
-    case_id,
-    check_decode,
-    check_prefill,
     decode_oracle,
-    one_thread,
     prefill_oracle,
-    run_decode,
-    run_prefill,
 )
-
-__all__ = [
-    "case_id",
-    "check_decode",
-    "check_prefill",
-    "decode_case",
-    "decode_oracle",
-    "mixed_lengths",
-    "one_thread",
-    "prefill_case",
-    "prefill_oracle",
-    "run_decode",
-    "run_prefill",
-]
 
 # --- the oracle against the engine's torch path ------------------------------------------------------
 
@@ -52,7 +32,8 @@ def _engine_attend(q: Tensor, k: Tensor, v: Tensor, cache: Tensor, meta, scale: 
 
 @pytest.mark.parametrize("window", [None, 20])
 def test_decode_oracle_matches_engine_torch_path(window: int | None) -> None:
-    from base_engine.attention import AttentionMetadata, build_decode_buckets
+    from base_engine.attention import AttentionMetadata
+    from base_engine.decode_buckets import build_decode_buckets
 
     case = decode_case([37, 1, 16, 70, 5], window=window, seed=1)
     tables = [row[row != 0].tolist() for row in case.pool.clean_tables]  # block 0: nobody's

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels.attention import build_paged_meta, paged_attention
-from tests.kernels.test_attention_reference import one_thread
+from tests.kernels.attention_oracle import one_thread
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -23,13 +23,8 @@ BS, KVH, GROUP, D = 16, 2, 2, 64
 
 def _step(window: int | None, seed: int):
     """Rows: decode, chunk (context 21, 7 new), decode, decode, first chunk (5 new), decode."""
-    from base_engine.attention import (
-        AttentionMetadata,
-        PrefillChunk,
-        build_decode_buckets,
-        chunk_mask,
-        write_kv,
-    )
+    from base_engine.attention import AttentionMetadata, PrefillChunk, chunk_mask, write_kv
+    from base_engine.decode_buckets import build_decode_buckets
 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     layout = [("d", 40), ("p", (21, 7)), ("d", 1), ("d", 16), ("p", (0, 5)), ("d", 77)]

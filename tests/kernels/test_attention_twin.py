@@ -10,15 +10,8 @@ import pytest
 import torch
 
 from kernels.attention import paged_decode_attention, paged_prefill_attention
-from tests.kernels.test_attention_reference import (
-    case_id,
-    check_decode,
-    check_prefill,
-    decode_case,
-    mixed_lengths,
-    one_thread,
-    prefill_case,
-)
+from tests.kernels.attention_cases import decode_case, mixed_lengths, prefill_case
+from tests.kernels.attention_oracle import case_id, check_decode, check_prefill, one_thread
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
