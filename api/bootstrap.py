@@ -30,9 +30,9 @@ from api.provenance import server_provenance
 from api.settings import Settings
 from api.state import AppState
 from base_engine.async_engine import AsyncEngine
-from base_engine.config import load_model_config
 from base_engine.engine import LLMEngine
 from base_engine.identity import describe_engine
+from base_engine.model.config import load_model_config
 from registry.db import make_engine, session_factory, upgrade
 from registry.disk_cache import DiskTier
 from registry.store import open_store

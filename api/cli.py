@@ -96,8 +96,8 @@ def adapter_push(
 
     from adapters.validation import validate_adapter
     from api.model_source import last_served_model
-    from base_engine.config import load_model_config
-    from base_engine.device import DTYPES
+    from base_engine.model.config import load_model_config
+    from base_engine.runner.device import DTYPES
     from registry.adapters import register_adapter_version
     from registry.errors import RegistryError
     from registry.store import open_store

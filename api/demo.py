@@ -7,7 +7,7 @@ SmolLM2-135M-Instruct) or with `--model random-demo`, then reused: the demo tena
 - Default model: the trained adapters shipped in `api/demo_adapters/` (one per trait of
   `api.demo_traits.TRAITS`: ALL CAPS, pirate, JSON; made by scripts/train_demo_adapters.py).
 - `random-demo`: a random-weight Llama checkpoint in `<data_dir>/demo-model` and two adapters of
-  random LoRA factors in PEFT's on-disk format (`adapters.synthetic.save_random_adapter`), for tests.
+  random LoRA factors in PEFT's on-disk format (`adapters.testing.save_random_adapter`), for tests.
   The weights are random: outputs are gibberish.
 """
 
@@ -21,13 +21,13 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from adapters.synthetic import save_random_adapter
+from adapters.testing import save_random_adapter
 from adapters.types import AdapterSummary, BaseModelShapes
 from api.demo_traits import TRAITS
 from api.keyfiles import DEMO_KEY_FILE, read_secret, replace_secret
 from api.model_source import DEMO_ADAPTERS_DIR
 from api.state import DemoInfo
-from base_engine.tiny_checkpoint import save_random_checkpoint
+from base_engine.testing.checkpoint import save_random_checkpoint
 from registry.adapters import list_adapters, register_adapter_version
 from registry.errors import AuthError, NotFound
 from registry.keys import authenticate, issue_key

@@ -47,7 +47,7 @@ def base_model_sha256(model_dir: Path, *, cache_dir: Path) -> str:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files the engine loads (base_engine/checkpoint.py's rule), sorted by name."""
+    """The safetensors files the engine loads (base_engine/model/checkpoint.py's rule), sorted by name."""
     index = model_dir / _INDEX_FILE
     if index.is_file():
         shards = json.loads(index.read_text())["weight_map"].values()

@@ -3,7 +3,7 @@
 Planning a request (authorising the model, tokenizing the prompt, compiling a grammar) runs on a worker
 thread of the shared pool before any quota decision can count its tokens; a long prompt takes that
 thread, and a core, for up to ~0.5 s (SmolLM2 at 8192 tokens; longer texts are refused unread, see
-base_engine/token_bound.py). Without a bound one tenant's burst of long prompts would fill the pool
+base_engine/model/token_bound.py). Without a bound one tenant's burst of long prompts would fill the pool
 and every other tenant's requests would wait behind it. Requests past the bound wait their turn on
 the event loop, holding no thread, first come first served, behind their own tenant's requests only.
 """

@@ -35,9 +35,9 @@ from typing import Any
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.tools import ToolPlan, template_messages, template_tools
+from base_engine.model.token_bound import least_tokens
+from base_engine.model.tokenizer import render_chat
 from base_engine.sampling_params import SamplingParams
-from base_engine.token_bound import least_tokens
-from base_engine.tokenizer import render_chat
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # generation_config.json keys a request may leave to the checkpoint, with transformers' defaults
@@ -137,7 +137,7 @@ def encode_chat_prompt(
 
 def refuse_unfittable_text(tokenizer: Any, text: str, max_model_len: int, param: str) -> None:
     """400 for a text that encodes to more than max_model_len tokens whatever its content, decided from
-    its length (base_engine/token_bound.py) before the tokenizer spends seconds on it: the answer it
+    its length (base_engine/model/token_bound.py) before the tokenizer spends seconds on it: the answer it
     would get after encoding, but the count it names is a lower bound."""
     least = least_tokens(tokenizer, text)
     if least > max_model_len:

@@ -150,7 +150,7 @@ def serve(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     setup_logging(settings.log_level)
-    from base_engine.device import check_device
+    from base_engine.runner.device import check_device
 
     try:
         check_device(settings.device)

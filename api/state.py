@@ -48,7 +48,7 @@ from api.sampling import SeedSource
 from api.settings import Settings
 from api.uploads import UploadLimits, upload_limits
 from base_engine.async_engine import AsyncEngine
-from base_engine.device import DTYPES
+from base_engine.runner.device import DTYPES
 from registry.disk_cache import DiskTier
 from registry.provenance import Provenance
 from registry.store import ObjectStore

@@ -2,7 +2,7 @@
 
 `{"type": "text"}` (the default) changes nothing. `{"type": "json_object"}` constrains the output to one
 JSON object; `{"type": "json_schema", "json_schema": {"name", "description"?, "schema", "strict"?}}` to
-JSON valid against `schema`. Both are enforced by constrained decoding (base_engine/structured.py),
+JSON valid against `schema`. Both are enforced by constrained decoding (base_engine/constraints.py),
 whatever `strict` says: the output always parses (unless cut by `max_tokens` or a stop string).
 
 Compilation runs in the request's worker thread (`plan_generation`), never on the engine thread: the
@@ -18,7 +18,7 @@ from typing import Any
 
 from api.errors import APIError
 from api.tools import ToolPlan, forced_call_grammar
-from base_engine.structured import CompiledGrammar, GrammarCompiler, GrammarError
+from base_engine.constraints import CompiledGrammar, GrammarCompiler, GrammarError
 
 _compilers: dict[int, tuple[Any, GrammarCompiler]] = {}
 _compilers_lock = threading.Lock()

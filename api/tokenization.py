@@ -21,7 +21,7 @@ from api.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
 from api.sampling import refuse_unfittable_text
 from api.state import AppState
 from api.tools import plan_tools, template_messages, template_tools
-from base_engine.tokenizer import render_chat
+from base_engine.model.tokenizer import render_chat
 
 
 class _Strict(BaseModel):

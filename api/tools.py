@@ -38,7 +38,7 @@ from api.tool_parser import (
     ToolFormat,
     new_call_id,
 )
-from base_engine.structured import lark_json
+from base_engine.constraints import lark_json
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """loraserve's serving engine: paged KV cache, continuous batching, Llama-family models.
 
-Names are imported lazily so that `import base_engine.tiny_checkpoint` does not load the engine.
+Names are imported lazily so that `import base_engine.testing.checkpoint` does not load the engine.
 """
 
 from __future__ import annotations

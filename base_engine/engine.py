@@ -14,27 +14,27 @@ import torch
 from adapters.loader import Fetch
 from adapters.types import AdapterRef
 from base_engine.block_manager import BlockManager
-from base_engine.config import load_model_config
 from base_engine.detokenizer import Detokenizer
-from base_engine.device import check_device, resolve_dtype
 from base_engine.engine_config import EngineConfig
 from base_engine.invariant import Determinism
-from base_engine.kv_sizing import plan_memory
 from base_engine.lora import make_decode_graphs, make_lora_manager
-from base_engine.model import LOGITS_CHUNK
-from base_engine.model_runner import ModelRunner, StepBatch, StepResult, allocate_kv_caches
+from base_engine.model.config import load_model_config
+from base_engine.model.decoder import LOGITS_CHUNK
+from base_engine.model.tokenizer import load_tokenizer
+from base_engine.model.weights import load_model
 from base_engine.outputs import EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
+from base_engine.runner.device import check_device, resolve_dtype
+from base_engine.runner.kv_sizing import plan_memory
+from base_engine.runner.model_runner import ModelRunner, StepBatch, StepResult, allocate_kv_caches
 from base_engine.sampler import Sampler, SamplingRow
 from base_engine.sampling_params import SamplingParams
 from base_engine.scheduler import ScheduledSeq, Scheduler
 from base_engine.sequence import Sequence, SequenceStatus
-from base_engine.tokenizer import load_tokenizer
-from base_engine.weights import load_model
 
 logger = logging.getLogger(__name__)
 
-# DTYPES and check_device moved to base_engine/device.py; the CLI still imports them from here.
+# DTYPES and check_device moved to base_engine/runner/device.py; the CLI still imports them from here.
 
 
 class LLMEngine:

@@ -6,7 +6,7 @@ out, as `save_pretrained` does), `config.json` (no `quantization_config`, `archi
 reloads as an ordinary model), the tokenizer files with the GGUF's chat template, and
 `generation_config.json` with the GGUF's `general.sampling.*` defaults when it has any. The result
 reloads bit-identically in `transformers` and in our engine. Only the Llama family is accepted
-(base_engine.config refuses the rest with the field named).
+(base_engine.model.config refuses the rest with the field named).
 """
 
 from __future__ import annotations

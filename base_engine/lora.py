@@ -24,8 +24,8 @@ from base_engine.sequence import Sequence
 from kernels.sgmv import SgmvMeta, add_lora, build_meta
 
 if TYPE_CHECKING:
-    from base_engine.cuda_graphs import DecodeGraphs
     from base_engine.engine import LLMEngine
+    from base_engine.runner.cuda_graphs import DecodeGraphs
 
 
 class LocalFetch:
@@ -177,7 +177,7 @@ def make_lora_manager(engine: LLMEngine, fetch: Fetch | None) -> LoraManager:
 
 def make_decode_graphs(engine: LLMEngine, *, capture: bool) -> DecodeGraphs:
     """Decode CUDA graphs over the engine's runner and adapter slot pool (capture=False: eager replay)."""
-    from base_engine.cuda_graphs import DecodeGraphs
+    from base_engine.runner.cuda_graphs import DecodeGraphs
 
     return DecodeGraphs(
         engine.runner,

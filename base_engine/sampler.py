@@ -5,7 +5,7 @@ penalty (CTRL, Keskar et al. 2019: over prompt + output, ``logit > 0 -> logit / 
 ``logit * r``), frequency / presence penalties (OpenAI API: over output only,
 ``logit -= f * count + p * (count > 0)``), temperature, top-k, top-p (nucleus, Holtzman et al.
 2019), min-p (Nguyen et al. 2024), and finally a draw. Rows with a grammar (``params.constraint``,
-base_engine/structured.py) have the tokens it forbids masked to -inf after the penalties; their
+base_engine/constraints.py) have the tokens it forbids masked to -inf after the penalties; their
 matcher advances by the drawn token.
 
 The draw is inverse-transform sampling: one uniform number per row, looked up in the row's
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from base_engine.constraints import advance_constraints, apply_constraints
 from base_engine.sampling_params import SamplingParams
-from base_engine.structured import advance_constraints, apply_constraints
 
 
 @dataclass(slots=True)

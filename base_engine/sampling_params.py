@@ -60,7 +60,7 @@ class SamplingParams:
     # Batch-invariant execution (issue 18): this request's tokens and logprobs are bitwise the same
     # whatever else shares its steps. A step that holds such a request runs the fixed-order kernels.
     deterministic: bool = False
-    # Constrained decoding (base_engine/structured.py): this request's own grammar matcher, which masks
+    # Constrained decoding (base_engine/constraints.py): this request's own grammar matcher, which masks
     # its row of the logits before each draw. One request per object (it holds the request's state).
     constraint: Any = None
 

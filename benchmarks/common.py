@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from base_engine.tiny_checkpoint import save_random_checkpoint
+from base_engine.testing.checkpoint import save_random_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("bench-small", "smollm2")
@@ -58,7 +58,7 @@ def bench_model(name: str, root: Path) -> Path:
 
 
 def model_vocab(model_dir: Path) -> int:
-    from base_engine.config import load_model_config
+    from base_engine.model.config import load_model_config
 
     return load_model_config(model_dir).vocab_size
 

@@ -2,7 +2,7 @@
 
 64 decodes with random contexts 32..384 tokens (bench-small heads: 8 query heads, 4 KV heads of 64;
 block size 16; blocks scattered through the pool as the block manager leaves them). Both variants run
-in the same process, interleaved call by call, through `base_engine.attention.attend`: "padded" is
+in the same process, interleaved call by call, through `base_engine.runner.attention.attend`: "padded" is
 the metadata with a single bucket (every row gathered and masked up to the longest context, as the
 engine did before buckets), "bucketed" the engine's rule (`plan_decode_buckets`). Times are the median
 of one layer's decode attention; `build_ms` is the host-side metadata build, paid once per step.
@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from base_engine.attention import AttentionMetadata, attend
-from base_engine.decode_buckets import MAX_DECODE_BUCKETS, DecodeBucket, build_decode_buckets
+from base_engine.runner.attention import AttentionMetadata, attend
+from base_engine.runner.decode_buckets import MAX_DECODE_BUCKETS, DecodeBucket, build_decode_buckets
 from benchmarks.common import setup_threads  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16

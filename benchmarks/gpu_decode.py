@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from adapters.synthetic import save_random_adapter
+from adapters.testing import save_random_adapter
 from base_engine import SamplingParams
-from base_engine.config import load_model_config
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
-from base_engine.tiny_checkpoint import save_random_checkpoint
+from base_engine.model.config import load_model_config
+from base_engine.testing.checkpoint import save_random_checkpoint
 
 HBM_GBPS = {"H200": 4800.0, "H100": 3350.0}
 SHAPES = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,

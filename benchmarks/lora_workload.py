@@ -6,8 +6,8 @@ import random
 import warnings
 from pathlib import Path
 
-from adapters.synthetic import save_random_adapter
-from base_engine.config import load_model_config
+from adapters.testing import save_random_adapter
+from base_engine.model.config import load_model_config
 
 
 def make_lora_adapters(model_dir: Path, root: Path, *, num: int, rank: int) -> list[Path]:

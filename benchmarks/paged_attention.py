@@ -3,7 +3,7 @@
 Llama-3-8B attention shapes (32 query heads, 8 KV heads of 128, block size 16, bf16), blocks scattered
 through the pool as the block manager leaves them. Decode: batch 1 at 4k context, 32 and 64 rows of
 mixed contexts; per case the median time of the Triton call (eager, and replayed from a CUDA graph:
-the engine's decode path), of `base_engine.attention.attend` with its length buckets (metadata moved to
+the engine's decode path), of `base_engine.runner.attention.attend` with its length buckets (metadata moved to
 the device, built outside the timing), the KV bytes read per call and the fraction of the measured copy
 bandwidth that is (`decode_bw_fraction`: 32 mixed rows). Prefill: chunks over cached prefixes, TFLOP/s
 of the visible (query, key) pairs. Every call starts from caches flushed by a 256 MiB write. Outputs of
@@ -114,8 +114,8 @@ class Pool:
 
 
 def _engine_decode_meta(pool: Pool, lengths: list[int], dtype: torch.dtype, device: torch.device):
-    from base_engine.attention import AttentionMetadata
-    from base_engine.decode_buckets import build_decode_buckets
+    from base_engine.runner.attention import AttentionMetadata
+    from base_engine.runner.decode_buckets import build_decode_buckets
 
     extra = {"null_block": 0} if "null_block" in inspect.signature(build_decode_buckets).parameters else {}
     buckets = build_decode_buckets(
@@ -159,7 +159,7 @@ def bench_decode(case, shape: dict, dtype, device, timer: Timer, copy_gbps: floa
         row["graph_error"] = repr(exc)[:300]
     triton_out = out.clone()
     try:
-        from base_engine.attention import attend
+        from base_engine.runner.attention import attend
 
         meta = _engine_decode_meta(pool, lengths, dtype, device)
         torch_s = timer.median_s(lambda: attend(q, q, q, pool.cache, meta, scale))
@@ -172,7 +172,7 @@ def bench_decode(case, shape: dict, dtype, device, timer: Timer, copy_gbps: floa
 
 
 def bench_prefill(case, shape: dict, dtype, device, timer: Timer, backend: str) -> dict:
-    from base_engine.attention import AttentionMetadata, PrefillChunk, chunk_mask, write_kv
+    from base_engine.runner.attention import AttentionMetadata, PrefillChunk, chunk_mask, write_kv
 
     name, chunks = case
     lengths = [c + m for c, m in chunks]
@@ -229,7 +229,7 @@ def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 
 
 def _engine_attend(q, k, v, cache, meta, scale):
-    from base_engine.attention import attend
+    from base_engine.runner.attention import attend
 
     return attend(q, k, v, cache, meta, scale)
 

@@ -74,8 +74,8 @@ def adapter_loads(base_url: str, num_replicas: int) -> dict[str, int]:
 
 
 def upload_adapters(base_url: str, model_dir: Path, tmp: Path, num: int) -> tuple[str, list[str]]:
-    from adapters.synthetic import save_random_adapter
-    from base_engine.config import load_model_config
+    from adapters.testing import save_random_adapter
+    from base_engine.model.config import load_model_config
 
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     r = httpx.post(f"{base_url}/admin/api/tenants", headers=admin, json={"name": "bench"}, timeout=60)
@@ -161,7 +161,7 @@ def main() -> None:
 
     from api.fleet.launch import prepare_deploy
     from api.settings import load_settings
-    from base_engine.tiny_checkpoint import save_random_checkpoint
+    from base_engine.testing.checkpoint import save_random_checkpoint
 
     with ExitStack() as stack:
         tmp = Path(tempfile.mkdtemp(prefix="loraserve-scale-"))

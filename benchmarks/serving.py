@@ -164,7 +164,7 @@ class OwnServer:
     """A `loraserve serve` subprocess on a small random model in a temp dir, with N uploaded adapters."""
 
     def __init__(self, args: argparse.Namespace, root: Path) -> None:
-        from base_engine.tiny_checkpoint import save_random_checkpoint
+        from base_engine.testing.checkpoint import save_random_checkpoint
 
         self.root = root
         self.model_dir = save_random_checkpoint(root / "model", **SMALL_MODEL)  # type: ignore[arg-type]
@@ -194,8 +194,8 @@ class OwnServer:
         raise RuntimeError("server not ready in time")
 
     def tenant_with_adapters(self, num: int) -> tuple[str, list[str]]:
-        from adapters.synthetic import save_random_adapter
-        from base_engine.config import load_model_config
+        from adapters.testing import save_random_adapter
+        from base_engine.model.config import load_model_config
 
         admin = {"Authorization": f"Bearer {self.admin_key}"}
         r = httpx.post(

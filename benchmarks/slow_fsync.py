@@ -80,7 +80,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     args.source_dir = args.source_dir.resolve()
-    from base_engine.tiny_checkpoint import save_random_checkpoint
+    from base_engine.testing.checkpoint import save_random_checkpoint
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="loraserve-slow-fsync-") as tmp:

@@ -106,7 +106,7 @@ def engine_step_ms(model: Path, grammar, num_steps: int) -> dict[int, float]:
 
 
 def mask_ms_per_row(grammar, vocab: int, rounds: int) -> float:
-    from base_engine.structured import allowed_tokens
+    from base_engine.constraints import allowed_tokens
 
     constraint = grammar.new_constraint()
     times = []
@@ -129,13 +129,13 @@ def main() -> None:
     args = parser.parse_args()
     threads = setup_threads()
 
-    from base_engine.structured import GrammarCompiler
-    from base_engine.tokenizer import load_tokenizer
+    from base_engine.constraints import GrammarCompiler
+    from base_engine.model.tokenizer import load_tokenizer
 
     cases = [0, 1, 8, BATCH]
     with tempfile.TemporaryDirectory() as tmp:
         model = bench_small(Path(tmp))
-        from base_engine.config import load_model_config
+        from base_engine.model.config import load_model_config
 
         config = load_model_config(model)
         compiler = GrammarCompiler(load_tokenizer(model), config.vocab_size, config.eos_token_ids)

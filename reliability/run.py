@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from base_engine.tiny_checkpoint import save_random_checkpoint  # noqa: E402
+from base_engine.testing.checkpoint import save_random_checkpoint  # noqa: E402
 from reliability.common import ROWS, SERVER_ENV, run_case  # noqa: E402
 from reliability.faults import case_kill9, case_outages  # noqa: E402
 from reliability.fuzz import case_schemathesis  # noqa: E402

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 from api.demo_traits import HELD_OUT_PROMPTS, TRAITS, first_sentences, training_prompts  # noqa: E402
 from api.model_source import DEMO_ADAPTERS_DIR, ensure_default_model  # noqa: E402
 from base_engine.llm import LLM  # noqa: E402
+from base_engine.model.tokenizer import apply_chat_template  # noqa: E402
 from base_engine.sampling_params import SamplingParams  # noqa: E402
-from base_engine.tokenizer import apply_chat_template  # noqa: E402
 
 RANK = 8
 ALPHA = 16

@@ -34,7 +34,7 @@ from api.fleet.replica import LoraReplica
 from api.fleet.routing import AdapterRouter, Route
 from api.settings import load_settings
 from api.uploads import upload_limits
-from base_engine.config import load_model_config
+from base_engine.model.config import load_model_config
 from registry.db import make_engine, session_factory
 
 logger = logging.getLogger(__name__)

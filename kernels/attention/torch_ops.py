@@ -3,7 +3,7 @@
 A per-row (decode) / per-chunk (prefill) loop in fp32 that gathers exactly the keys a row may see,
 so, like the kernels, it never touches a stale slot. It reads the lengths and block tables on the host
 (one sync per call on CUDA tensors); it exists for CPU runs and as the kernels' executable spec, not
-for speed (the engine's CPU path is base_engine/attention.py's bucketed SDPA).
+for speed (the engine's CPU path is base_engine/runner/attention.py's bucketed SDPA).
 """
 
 from __future__ import annotations

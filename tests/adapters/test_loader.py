@@ -13,7 +13,7 @@ import pytest
 from adapters import loader as loader_module
 from adapters.format import load_adapter
 from adapters.loader import AdapterLoader, backoff_s
-from adapters.synthetic import save_random_adapter
+from adapters.testing import save_random_adapter
 from adapters.types import AdapterRef
 from tests.adapters.helpers import tiny_shapes
 

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.formatting import token_bytes
-from base_engine.tokenizer import load_tokenizer
+from base_engine.model.tokenizer import load_tokenizer
 from tests.api.conftest import Server
 from tests.api.uploads import files_of, peft_adapter, upload
 
@@ -161,7 +161,7 @@ def test_message_name_reaches_the_chat_template(tiny_llama_dir: Path) -> None:
     )
     tokenizer = load_tokenizer(tiny_llama_dir)
     tokenizer.chat_template = "{% for m in messages %}[{{ m.name or '-' }}] {{ m.content }}\n{% endfor %}"
-    from base_engine.tokenizer import render_chat
+    from base_engine.model.tokenizer import render_chat
 
     assert (
         render_chat(tokenizer, template_messages(body, None), add_generation_prompt=False)

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.state import AppState
-from base_engine.token_bound import max_chars_per_token
+from base_engine.model.token_bound import max_chars_per_token
 from tests.api import console_helpers as ch
 from tests.api.uploads import CONFIG, WEIGHTS, files_of, peft_adapter
 
@@ -221,7 +221,7 @@ def test_console_quota_form_refuses_what_the_columns_cannot_hold() -> None:
 def test_a_text_too_long_for_any_encoding_is_refused_before_it_is_encoded(
     client: TestClient, tenant: dict[str, Any], app_state: tuple[FastAPI, AppState], monkeypatch: Any
 ) -> None:
-    """base_engine/token_bound.py: the tokenizer never sees a text that cannot fit (SmolLM2's took ~11 s
+    """base_engine/model/token_bound.py: the tokenizer never sees a text that cannot fit (SmolLM2's took ~11 s
     of CPU for the 8 MiB a body may hold); one that might fit is encoded and judged as before."""
     state = app_state[1]
     tokenizer, limit = state.tokenizer, state.max_model_len

@@ -9,8 +9,8 @@ import pytest
 
 from api.protocol import ChatCompletionRequest
 from api.tools import ToolPlan, detect_format, forced_call_grammar, message_fields, plan_tools
-from base_engine.structured import GrammarCompiler
-from base_engine.tiny_tokenizer import build_tokenizer
+from base_engine.constraints import GrammarCompiler
+from base_engine.testing.tokenizer import build_tokenizer
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from base_engine.config import ModelConfig
+from base_engine.model.config import ModelConfig
 
 # Published config.json files (fields and values as released on the Hugging Face hub).
 LLAMA31_8B: dict[str, Any] = {

@@ -16,14 +16,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters.synthetic import save_random_adapter
+from adapters.testing import save_random_adapter
 from base_engine import SamplingParams
-from base_engine.config import load_model_config
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
 from base_engine.invariant import GemmProbe, invariant_linear
+from base_engine.model.config import load_model_config
 from base_engine.outputs import RequestOutput
-from base_engine.tiny_checkpoint import save_random_checkpoint
+from base_engine.testing.checkpoint import save_random_checkpoint
 from tests.engine.conftest import preload_adapters
 
 VOCAB = 512

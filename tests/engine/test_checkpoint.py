@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from base_engine.checkpoint import INDEX_FILE, CheckpointReader, MissingTensorError
-from base_engine.tiny_checkpoint import save_random_checkpoint
-from base_engine.tiny_tokenizer import build_tokenizer
+from base_engine.model.checkpoint import INDEX_FILE, CheckpointReader, MissingTensorError
+from base_engine.testing.checkpoint import save_random_checkpoint
+from base_engine.testing.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from adapters.types import LORA_MODULES
-from base_engine.config import load_model_config
+from base_engine.model.config import load_model_config
 from tests.engine.published_configs import (
     LLAMA31_8B,
     LLAMA31_8B_INSTRUCT_GENERATION,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from base_engine.config import load_model_config
+from base_engine.model.config import load_model_config
 from tests.engine.published_configs import (
     LLAMA31_8B,
     write_config,

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from adapters.synthetic import save_random_adapter
+from adapters.testing import save_random_adapter
 from base_engine import SamplingParams
-from base_engine.config import load_model_config
-from base_engine.cuda_graphs import bucket_sizes
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
 from base_engine.lora import make_decode_graphs
+from base_engine.model.config import load_model_config
+from base_engine.runner.cuda_graphs import bucket_sizes
 from tests.engine.conftest import random_prompts
 
 

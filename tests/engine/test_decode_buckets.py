@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from base_engine.attention import AttentionMetadata, PrefillChunk, attend, chunk_mask
-from base_engine.decode_buckets import MAX_DECODE_BUCKETS, build_decode_buckets, plan_decode_buckets
+from base_engine.runner.attention import AttentionMetadata, PrefillChunk, attend, chunk_mask
+from base_engine.runner.decode_buckets import MAX_DECODE_BUCKETS, build_decode_buckets, plan_decode_buckets
 
 BS, H, KVH, D = 4, 8, 2, 16  # GQA: 4 query heads per KV head
 

@@ -14,11 +14,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from adapters.synthetic import save_random_adapter
+from adapters.testing import save_random_adapter
 from base_engine import SamplingParams
-from base_engine.config import load_model_config
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
+from base_engine.model.config import load_model_config
 
 HOST_READS = {
     torch.Tensor.item,

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapters.synthetic import save_random_adapter
+from adapters.testing import save_random_adapter
 from base_engine import LLM, SamplingParams
-from base_engine.config import load_model_config
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
+from base_engine.model.config import load_model_config
 from tests.engine.conftest import random_prompts
 from tests.engine.oracle import assert_greedy_match
 

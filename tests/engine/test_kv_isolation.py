@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapters.synthetic import save_random_adapter
+from adapters.testing import save_random_adapter
 from base_engine import SamplingParams
-from base_engine.config import load_model_config
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
-from base_engine.tiny_checkpoint import save_random_checkpoint
+from base_engine.model.config import load_model_config
+from base_engine.testing.checkpoint import save_random_checkpoint
 from tests.engine.conftest import preload_adapters
 
 BLOCK_SIZE = 4

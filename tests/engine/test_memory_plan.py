@@ -8,10 +8,10 @@ import torch
 
 from adapters.slots import SlotPool
 from adapters.types import BaseModelShapes
-from base_engine.config import load_model_config
 from base_engine.engine_config import EngineConfig
-from base_engine.kv_sizing import GIB, num_kv_blocks, slot_bytes
-from base_engine.model_runner import kv_bytes_per_block
+from base_engine.model.config import load_model_config
+from base_engine.runner.kv_sizing import GIB, num_kv_blocks, slot_bytes
+from base_engine.runner.model_runner import kv_bytes_per_block
 
 LLAMA3_8B = BaseModelShapes(
     model_type="llama", num_layers=32, hidden_size=4096, intermediate_size=14336,

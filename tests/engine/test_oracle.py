@@ -53,9 +53,9 @@ def test_chunked_lm_head_matches_transformers(
     variant, make_checkpoint, hf_model_cache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CPU LM head in vocabulary chunks (an uneven last chunk here) still matches transformers."""
-    import base_engine.model
+    import base_engine.model.decoder
 
-    monkeypatch.setattr(base_engine.model, "LOGITS_CHUNK", 97)
+    monkeypatch.setattr(base_engine.model.decoder, "LOGITS_CHUNK", 97)
     model_dir = make_checkpoint(**VARIANTS[variant])
     hf = hf_model_cache(model_dir)
     assert hf.config.vocab_size > 97 and hf.config.vocab_size % 97

@@ -12,8 +12,8 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from base_engine.config import RopeConfig, load_model_config
-from base_engine.rope import RopeCache, apply_rope, rope_cos_sin, rope_inv_freq
+from base_engine.model.config import RopeConfig, load_model_config
+from base_engine.model.rope import RopeCache, apply_rope, rope_cos_sin, rope_inv_freq
 
 LLAMA31 = {
     "rope_type": "llama3",

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from base_engine import LLM, SamplingParams
+from base_engine.constraints import GrammarCompiler, allowed_tokens
 from base_engine.sampler import Sampler, SamplingRow
-from base_engine.structured import GrammarCompiler, allowed_tokens
 from tests.engine.conftest import random_prompts
 
 SCHEMA = {

@@ -1,4 +1,4 @@
-"""base_engine/token_bound.py: `least_tokens(text)` never exceeds what the tokenizer really makes of the
+"""base_engine/model/token_bound.py: `least_tokens(text)` never exceeds what the tokenizer really makes of the
 text (property test on byte-level and SentencePiece-style BPE, hostile texts included), and tokenizers
 that could shorten a text get no bound at all."""
 
@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from base_engine.tiny_tokenizer import CORPUS
-from base_engine.token_bound import least_tokens, max_chars_per_token
-from base_engine.tokenizer import load_tokenizer
+from base_engine.model.token_bound import least_tokens, max_chars_per_token
+from base_engine.model.tokenizer import load_tokenizer
+from base_engine.testing.tokenizer import CORPUS
 
 
 def _fast(tok: Tokenizer) -> PreTrainedTokenizerFast:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from base_engine import tiny_tokenizer
-from base_engine.tiny_chat_formats import BOS_TOKEN, END_OF_TEXT_TOKEN, EOS_TOKEN, SPECIAL_TOKENS
-from base_engine.tiny_tokenizer import build_tokenizer
-from base_engine.tokenizer import CHAT_TEMPLATE_FILE, apply_chat_template, load_tokenizer, render_chat
+from base_engine.model.tokenizer import CHAT_TEMPLATE_FILE, apply_chat_template, load_tokenizer, render_chat
+from base_engine.testing import tokenizer as tiny_tokenizer
+from base_engine.testing.chat_formats import BOS_TOKEN, END_OF_TEXT_TOKEN, EOS_TOKEN, SPECIAL_TOKENS
+from base_engine.testing.tokenizer import build_tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

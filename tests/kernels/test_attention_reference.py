@@ -1,5 +1,5 @@
 """The float64 oracle of tests/kernels/attention_oracle.py pinned to the engine's torch path
-(base_engine.attention), so kernels and engine mean the same thing; and the poisoned pools it builds
+(base_engine.runner.attention), so kernels and engine mean the same thing; and the poisoned pools it builds
 keep every readable slot and poison the rest.
 
 The case generators live in attention_cases.py, the oracle and the checks in attention_oracle.py;
@@ -25,15 +25,15 @@ from tests.kernels.attention_oracle import (
 
 
 def _engine_attend(q: Tensor, k: Tensor, v: Tensor, cache: Tensor, meta, scale: float) -> Tensor:
-    from base_engine.attention import attend
+    from base_engine.runner.attention import attend
 
     return attend(q, k, v, cache, meta, scale)
 
 
 @pytest.mark.parametrize("window", [None, 20])
 def test_decode_oracle_matches_engine_torch_path(window: int | None) -> None:
-    from base_engine.attention import AttentionMetadata
-    from base_engine.decode_buckets import build_decode_buckets
+    from base_engine.runner.attention import AttentionMetadata
+    from base_engine.runner.decode_buckets import build_decode_buckets
 
     case = decode_case([37, 1, 16, 70, 5], window=window, seed=1)
     tables = [row[row != 0].tolist() for row in case.pool.clean_tables]  # block 0: nobody's
@@ -51,7 +51,7 @@ def test_decode_oracle_matches_engine_torch_path(window: int | None) -> None:
 
 @pytest.mark.parametrize("window", [None, 24])
 def test_prefill_oracle_matches_engine_torch_path(window: int | None) -> None:
-    from base_engine.attention import AttentionMetadata, PrefillChunk, chunk_mask, write_kv
+    from base_engine.runner.attention import AttentionMetadata, PrefillChunk, chunk_mask, write_kv
 
     case = prefill_case([(0, 9), (40, 17), (33, 1)], window=window, seed=2)
     cache = case.pool.clean.clone()

@@ -1,6 +1,6 @@
 """A whole engine step through `paged_attention` (decodes and prefill chunks interleaved in one
 flattened batch, metadata from `build_paged_meta`) against the engine's torch path
-(`base_engine.attention.attend` on the metadata the engine builds), with the Triton kernels under the
+(`base_engine.runner.attention.attend` on the metadata the engine builds), with the Triton kernels under the
 interpreter and with the twin. Free blocks of the pool hold NaN, as after a poisoned free.
 """
 
@@ -23,8 +23,8 @@ BS, KVH, GROUP, D = 16, 2, 2, 64
 
 def _step(window: int | None, seed: int):
     """Rows: decode, chunk (context 21, 7 new), decode, decode, first chunk (5 new), decode."""
-    from base_engine.attention import AttentionMetadata, PrefillChunk, chunk_mask, write_kv
-    from base_engine.decode_buckets import build_decode_buckets
+    from base_engine.runner.attention import AttentionMetadata, PrefillChunk, chunk_mask, write_kv
+    from base_engine.runner.decode_buckets import build_decode_buckets
 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     layout = [("d", 40), ("p", (21, 7)), ("d", 1), ("d", 16), ("p", (0, 5)), ("d", 77)]
@@ -84,7 +84,7 @@ def _step(window: int | None, seed: int):
 def test_step_matches_engine_torch_path(backend: str, window: int | None) -> None:
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1")
-    from base_engine.attention import attend
+    from base_engine.runner.attention import attend
 
     q, k, v, cache, engine_meta, meta = _step(window, seed=21)
     want = attend(q, k, v, cache, engine_meta, D**-0.5)

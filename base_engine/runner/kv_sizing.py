@@ -8,9 +8,9 @@ import torch
 
 from adapters.slots import SlotPool
 from adapters.types import BaseModelShapes
-from base_engine.config import ModelConfig
 from base_engine.engine_config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from base_engine.model_runner import kv_bytes_per_block
+from base_engine.model.config import ModelConfig
+from base_engine.runner.model_runner import kv_bytes_per_block
 
 GIB = 1 << 30
 

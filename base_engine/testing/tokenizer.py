@@ -9,7 +9,7 @@ import functools
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from base_engine.tiny_chat_formats import (
+from base_engine.testing.chat_formats import (
     BOS_TOKEN,
     CHAT_FORMATS,
     END_HEADER_TOKEN,

@@ -6,7 +6,7 @@ decodes (one new token each) are attended in a few length buckets, each one padd
 its own longest sequence (one batch padded to the longest of all would roughly double the keys read
 when contexts spread); prefill chunks one sequence at a time, since their query lengths differ (a
 padded batch would multiply work by max/mean chunk length). This module holds the step metadata and
-the attention calls; the decode buckets are planned in `base_engine/decode_buckets.py`.
+the attention calls; the decode buckets are planned in `base_engine/runner/decode_buckets.py`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from base_engine.decode_buckets import (
+from base_engine.runner.decode_buckets import (
     DecodeBucket,
 )
 from kernels.attention import PagedAttentionMeta, paged_attention
 
-# The bucket planner moved to base_engine/decode_buckets.py; its names stay importable from here.
+# The bucket planner moved to base_engine/runner/decode_buckets.py; its names stay importable from here.
 
 
 @dataclass(slots=True)

@@ -28,8 +28,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from base_engine.tiny_chat_formats import END_OF_TEXT_TOKEN
-from base_engine.tiny_tokenizer import build_tokenizer
+from base_engine.testing.chat_formats import END_OF_TEXT_TOKEN
+from base_engine.testing.tokenizer import build_tokenizer
 
 _ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),

@@ -29,7 +29,7 @@ from kernels.sgmv.static_meta import StaticMeta
 
 if TYPE_CHECKING:
     from adapters.slots import SlotPool
-    from base_engine.model_runner import ModelRunner, StepBatch, StepResult
+    from base_engine.runner.model_runner import ModelRunner, StepBatch, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ class DecodeGraphs:
         )  # fmt: skip
 
     def _bucket(self, size: int, make_lora_batch) -> _Bucket:
-        from base_engine.attention import AttentionMetadata
-        from base_engine.model_runner import StepBatch
+        from base_engine.runner.attention import AttentionMetadata
+        from base_engine.runner.model_runner import StepBatch
 
         dev = self.device
         rows = torch.arange(size, dtype=torch.long, device=dev)
@@ -166,7 +166,7 @@ class DecodeGraphs:
         return host.pin_memory() if self.device.type == "cuda" else host
 
     def replay(self, batch: StepBatch) -> StepResult:
-        from base_engine.model_runner import StepResult
+        from base_engine.runner.model_runner import StepResult
 
         bucket = next(b for b in self.buckets if b.size == batch.graph_bucket)
         n = len(batch.order)

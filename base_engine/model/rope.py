@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from base_engine.config import RopeConfig
+from base_engine.model.config import RopeConfig
 
 
 def _default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from base_engine.attention import AttentionMetadata, attend, write_kv
-from base_engine.config import ModelConfig
 from base_engine.invariant import invariant_linear
-from base_engine.rope import apply_rope
+from base_engine.model.config import ModelConfig
+from base_engine.model.rope import apply_rope
+from base_engine.runner.attention import AttentionMetadata, attend, write_kv
 
 # checkpoint module -> (packed module, index of its slice)
 PACKED: dict[str, tuple[str, int]] = {

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from base_engine.checkpoint import CheckpointReader, MissingTensorError
-from base_engine.config import ModelConfig
-from base_engine.model import PACKED, CausalLM
+from base_engine.model.checkpoint import CheckpointReader, MissingTensorError
+from base_engine.model.config import ModelConfig
+from base_engine.model.decoder import PACKED, CausalLM
 
 # Tensors some checkpoints carry that the math does not use.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")

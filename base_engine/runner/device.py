@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from base_engine.config import ModelConfig
+from base_engine.model.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,6 +1,6 @@
 """Decode buckets: the decodes of one step grouped by blocks read, each group one padded SDPA call.
 
-Host-side, once per step (`ModelRunner`), for the bucketed PyTorch path of `base_engine.attention`:
+Host-side, once per step (`ModelRunner`), for the bucketed PyTorch path of `base_engine.runner.attention`:
 `plan_decode_buckets` cuts the decodes, sorted by length, where padding plus a fixed cost per bucket
 is least; `build_decode_buckets` turns each cut into a `DecodeBucket` (padded block tables + mask);
 `build_token_buckets` does the same for a deterministic step, where every token attends alone.

@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from base_engine.attention import AttentionMetadata, PrefillChunk, chunk_mask
-from base_engine.config import ModelConfig
-from base_engine.decode_buckets import DecodeBucket, build_decode_buckets, build_token_buckets
-from base_engine.model import CausalLM, LoraBatch
-from base_engine.rope import RopeCache
+from base_engine.model.config import ModelConfig
+from base_engine.model.decoder import CausalLM, LoraBatch
+from base_engine.model.rope import RopeCache
+from base_engine.runner.attention import AttentionMetadata, PrefillChunk, chunk_mask
+from base_engine.runner.decode_buckets import DecodeBucket, build_decode_buckets, build_token_buckets
 from base_engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels.attention import build_paged_meta
 
 if TYPE_CHECKING:
-    from base_engine.cuda_graphs import DecodeGraphs
+    from base_engine.runner.cuda_graphs import DecodeGraphs
 
 
 @dataclass(slots=True)

@@ -1,0 +1,1 @@
+"""base_engine/model: see README.md."""

@@ -1,0 +1,1 @@
+"""base_engine/runner: see README.md."""

@@ -1,0 +1,1 @@
+"""base_engine/testing: see README.md."""
