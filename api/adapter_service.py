@@ -4,7 +4,7 @@ Upload: the body is streamed into a temporary directory (api/uploads.py), then t
 validates it against the served base model (`adapters.validation`) *before* anything is stored and
 records a ready version; 201 is sent only then. At most `max_concurrent_uploads` uploads run at once
 (one more: 429 + Retry-After, before its body is read); validation, the object store and the database
-work of an upload run in the upload pool (api/blocking.py), never on the event loop, the engine
+work of an upload run in the upload pool (api/http/blocking.py), never on the event loop, the engine
 thread or anyio's shared pool, and an upload that takes longer than `upload_timeout_s` gets 504 (its
 worker still ends on the store's own timeouts, and only then frees its slot and its files).
 
@@ -28,9 +28,9 @@ from typing import Any
 from fastapi import Request
 from sqlalchemy.orm import Session
 
-from api.blocking import UploadGate
 from api.deps import Caller
 from api.errors import APIError, from_registry_error
+from api.http.blocking import UploadGate
 from api.state import AppState
 from api.uploads import receive_adapter_upload
 from registry.adapters import Registration, delete_adapter, get_adapter, list_adapters, register_adapter

@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from api.body_limit import BodyLimit
 from api.console import install_console
 from api.errors import install_error_handlers
+from api.http.body_limit import BodyLimit
 from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage
 from api.state import AppState
 

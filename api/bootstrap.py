@@ -11,12 +11,17 @@ import json
 import logging
 import shlex
 
-from api.adapter_fetch import AdapterFetch
-from api.admission import Admission
 from api.demo import ensure_demo_tenant
 from api.demo_traits import TRAITS
 from api.fleet_start import check_fleet_schema, check_fleet_settings, fleet_server_secret
-from api.keyfiles import (
+from api.inference.adapter_fetch import AdapterFetch
+from api.inference.provenance import server_provenance
+from api.metering_service import install as install_metering
+from api.model_source import record_served_model
+from api.settings import Settings
+from api.state import AppState
+from api.tenancy.admission import Admission
+from api.tenancy.keyfiles import (
     ADMIN_KEY_FILE,
     SERVER_SECRET_FILE,
     make_private_database,
@@ -24,11 +29,6 @@ from api.keyfiles import (
     new_admin_key,
     read_or_create_secret,
 )
-from api.metering_service import install as install_metering
-from api.model_source import record_served_model
-from api.provenance import server_provenance
-from api.settings import Settings
-from api.state import AppState
 from base_engine.async_engine import AsyncEngine
 from base_engine.engine import LLMEngine
 from base_engine.identity import describe_engine

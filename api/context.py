@@ -59,7 +59,9 @@ class RequestContext:
     abort_reason: str | None = None  # "disconnect" | "timeout" | "shutdown" once aborted by the server
     response_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-* set by quota checks
     usage: Usage | None = None  # what the response reported, once known
-    provenance: Provenance | None = None  # what produces the answer (api/provenance.py), set when planned
+    provenance: Provenance | None = (
+        None  # what produces the answer (api/inference/provenance.py), set when planned
+    )
 
     @property
     def estimated_tokens(self) -> int:

@@ -24,9 +24,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from adapters.testing import save_random_adapter
 from adapters.types import AdapterSummary, BaseModelShapes
 from api.demo_traits import TRAITS
-from api.keyfiles import DEMO_KEY_FILE, read_secret, replace_secret
 from api.model_source import DEMO_ADAPTERS_DIR
 from api.state import DemoInfo
+from api.tenancy.keyfiles import DEMO_KEY_FILE, read_secret, replace_secret
 from base_engine.testing.checkpoint import save_random_checkpoint
 from registry.adapters import list_adapters, register_adapter_version
 from registry.errors import AuthError, NotFound

@@ -28,14 +28,14 @@ import math
 import threading
 from datetime import UTC, datetime
 
-from api.admission import NOT_ADMITTED, Release
 from api.context import RequestContext, Usage, compute_usage
 from api.errors import APIError
 from api.metering import UsageMeter
 from api.metrics import Metrics
-from api.quotas import QuotaExceededError
-from api.quotas_db import open_limiter
 from api.state import AppState
+from api.tenancy.admission import NOT_ADMITTED, Release
+from api.tenancy.quotas import QuotaExceededError
+from api.tenancy.quotas_db import open_limiter
 from base_engine.outputs import RequestOutput
 from registry.types import TenantQuotas
 from registry.usage import UsageRecord

@@ -168,7 +168,7 @@ def serve(
         typer.echo(f"Using the random-weight demo model in {settings.demo_model_dir}")
     elif source.kind == "default":
         typer.echo(f"Serving the default model {source.served_name} (models kept in {settings.models_path})")
-    os.umask(0o077)  # whatever the server writes is private to its user (api/keyfiles.py)
+    os.umask(0o077)  # whatever the server writes is private to its user (api/tenancy/keyfiles.py)
     try:
         state = build_state(settings)
     except FleetStartError as exc:  # e.g. the shared database is not migrated

@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from api.app import drain
-from api.header_timeout import protocol_class
+from api.http.header_timeout import protocol_class
 from api.state import AppState
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def run(app: FastAPI, state: AppState) -> None:
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
-        http=protocol_class(settings.request_header_timeout_s),  # slow headers: api/header_timeout.py
+        http=protocol_class(settings.request_header_timeout_s),  # slow headers: api/http/header_timeout.py
         # Our own logging configuration (api/cli_options.py) stays in place.
         log_config=None,
     )

@@ -53,17 +53,17 @@ class Settings(BaseSettings):
     max_queue_len: int = Field(256, ge=0)  # engine requests waiting beyond max_num_seqs; more -> 503
     request_timeout_s: float = Field(600.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM grace period before in-flight requests abort
-    # Any other request body (JSON): larger is 413 before it is read (api/body_limit.py).
+    # Any other request body (JSON): larger is 413 before it is read (api/http/body_limit.py).
     max_request_body_bytes: int = Field(8 << 20, ge=1024)
     request_body_timeout_s: float = Field(60.0, gt=0)  # the whole body must arrive within it, else 408
     # A request's headers must arrive within it of the connection opening or the last answer ending
-    # (api/header_timeout.py: partial headers -> 408, an idle connection is closed).
+    # (api/http/header_timeout.py: partial headers -> 408, an idle connection is closed).
     request_header_timeout_s: float = Field(20.0, gt=0)
     # Whole multipart body of an adapter upload; None = derived from the base model (the largest legal
     # adapter: seven projections, every layer, max_lora_rank, fp32; api/uploads.py `upload_limits`).
     max_upload_bytes: int | None = Field(None, ge=1)
     max_concurrent_uploads: int = Field(4, ge=1)  # received + validated + stored at once; more -> 429
-    # Requests of one tenant planned (tokenized) at once in this process; more wait (api/plan_gate.py).
+    # Requests of one tenant planned (tokenized) at once in this process; more wait (api/tenancy/plan_gate.py).
     max_concurrent_plans_per_tenant: int = Field(4, ge=1)
     upload_timeout_s: float = Field(120.0, gt=0)  # validate + store + record one upload, else 504
     disk_cache_bytes: int = Field(4 << 30, ge=1)  # local adapter tier (registry.disk_cache.DiskTier)
@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     adapter_import_prefixes: list[str] = Field(default_factory=list)
     adapter_import_allow_file: bool = False
 
-    # Per-tenant rate limits used when a tenant has none of its own (None = unlimited; api/quotas.py).
+    # Per-tenant rate limits used when a tenant has none of its own (None = unlimited; api/tenancy/quotas.py).
     default_rpm: int | None = Field(None, ge=0)
     default_tpm: int | None = Field(None, ge=0)
     default_max_concurrent: int | None = Field(None, ge=0)
@@ -90,7 +90,7 @@ class Settings(BaseSettings):
     db_read_timeout_s: float = Field(30.0, gt=0)  # PostgreSQL: unanswered connection dropped after it
     ready_timeout_s: float = Field(2.0, gt=0)  # /ready: longest wait for one dependency probe
     # Admission fairness: while the server is contended, no tenant holds more than its fair share of
-    # the in-flight slots (api/admission.py); `admission_reserve` slots (None = derived) stay free for
+    # the in-flight slots (api/tenancy/admission.py); `admission_reserve` slots (None = derived) stay free for
     # tenants below their share.
     fair_admission: bool = True
     admission_reserve: int | None = Field(None, ge=0)

@@ -16,7 +16,7 @@ Seams for the metering / metrics / quota layer (issue 7):
 - `on_drain`: run on shutdown after in-flight requests ended (flush buffers there).
 
 Blocking work that can hang on a dependency (upload validation, object store, database for
-uploads, /ready probes) runs in `pools` (api/blocking.py), never in anyio's default thread pool.
+uploads, /ready probes) runs in `pools` (api/http/blocking.py), never in anyio's default thread pool.
 """
 
 from __future__ import annotations
@@ -35,17 +35,17 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from adapters.types import AdapterSummary, BaseModelShapes
 from adapters.validation import validate_adapter
-from api.adapter_fetch import AdapterFetch
-from api.admission import Admission, InFlight, Release
-from api.blocking import BlockingPools, Probe, UploadGate
 from api.context import RequestContext, Usage
-from api.keyfiles import tenant_cache_salt
+from api.http.blocking import BlockingPools, Probe, UploadGate
+from api.inference.adapter_fetch import AdapterFetch
+from api.inference.sampling import SeedSource
 from api.metering import UsageMeter
 from api.metrics import Metrics
-from api.plan_gate import PlanGate
-from api.quotas import QuotaLimiter
-from api.sampling import SeedSource
 from api.settings import Settings
+from api.tenancy.admission import Admission, InFlight, Release
+from api.tenancy.keyfiles import tenant_cache_salt
+from api.tenancy.plan_gate import PlanGate
+from api.tenancy.quotas import QuotaLimiter
 from api.uploads import UploadLimits, upload_limits
 from base_engine.async_engine import AsyncEngine
 from base_engine.runner.device import DTYPES
@@ -93,14 +93,14 @@ class AppState:
     admin_key_created: bool = False
     adapter_fetch: AdapterFetch | None = None  # the engine's fetch; knows store outages (503)
     fleet_agent: Any = None  # issue 16: api.fleet.agent.ReplicaAgent in fleet mode (started by the lifespan)
-    # Issue 18: the process-wide half of every answer's provenance (api/provenance.py), read at start-up.
+    # Issue 18: the process-wide half of every answer's provenance (api/inference/provenance.py), read at start-up.
     provenance: Provenance | None = None
     # Issue 13, built in __post_init__: own thread pools, the upload bound and limits, /ready probes.
     pools: BlockingPools = field(init=False)
     upload_gate: UploadGate = field(init=False)
     upload_limits: UploadLimits = field(init=False)
     ready_probes: dict[str, Probe] = field(init=False)
-    seeds: SeedSource = field(init=False)  # for requests that send no seed (api/sampling.py)
+    seeds: SeedSource = field(init=False)  # for requests that send no seed (api/inference/sampling.py)
     plan_gate: PlanGate = field(init=False)  # per-tenant bound on requests being planned at once
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ from registry.models import Base
 
 
 class QuotaBucketRow(Base):
-    """A tenant's two token buckets (api/quotas.py): NULL capacity = no bucket (unlimited)."""
+    """A tenant's two token buckets (api/tenancy/quotas.py): NULL capacity = no bucket (unlimited)."""
 
     __tablename__ = "quota_buckets"
 

@@ -1,6 +1,6 @@
 """What produced an answer (issue 18), kept with its usage record so the answer can be replayed later.
 
-The API builds one `Provenance` per request (api/provenance.py) and sends it in the
+The API builds one `Provenance` per request (api/inference/provenance.py) and sends it in the
 `X-Loraserve-Provenance` header; the usage record stores the same fields as one JSON object
 (`usage_records.provenance`), and the export hands it out inside each CloudEvent's `data`.
 Every field has a default so that a record written by an older or newer server still reads: unknown
@@ -26,7 +26,7 @@ class Provenance:
     torch_version: str = UNKNOWN
     # The weights: the base model, and the adapter (all None = the base model alone).
     base_model: str = UNKNOWN  # the served name
-    base_sha256: str = UNKNOWN  # api/provenance.py `base_model_sha256` says what was hashed
+    base_sha256: str = UNKNOWN  # api/inference/provenance.py `base_model_sha256` says what was hashed
     adapter: str | None = None  # the adapter's name (`model` = "<adapter>@<adapter_version>" replays it)
     adapter_version: int | None = None
     adapter_sha256: str | None = None  # adapter_model.safetensors

@@ -34,7 +34,7 @@ def fleet_problems(settings: Settings) -> list[str]:
 def prepare_deploy(settings: Settings) -> dict[str, Any]:
     """Once per deploy: migrations and the model. Returns the replicas' settings as Ray args (secrets
     stay in the environment Ray's workers inherit: `LORASERVE_ADMIN_KEY`, never in args)."""
-    from api.keyfiles import make_private_dir
+    from api.tenancy.keyfiles import make_private_dir
     from registry.db import upgrade
 
     data_dir = make_private_dir(settings.data_dir.resolve())

@@ -27,11 +27,11 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from api.body_limit import STREAMED_UPLOADS, read_body
 from api.errors import APIError
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart
 from api.fleet.replica import LoraReplica
 from api.fleet.routing import AdapterRouter, Route
+from api.http.body_limit import STREAMED_UPLOADS, read_body
 from api.settings import load_settings
 from api.uploads import upload_limits
 from base_engine.model.config import load_model_config
@@ -56,7 +56,7 @@ class Ingress:
             session_factory(engine), base_model=settings.model_name, affinity=affinity
         )
         self.replica = replica
-        # The fleet's front door buffers bodies too: the same ceilings as a replica's (api/body_limit.py).
+        # The fleet's front door buffers bodies too: the same ceilings as a replica's (api/http/body_limit.py).
         shapes = load_model_config(settings.model_dir()).base_shapes()
         self.max_upload_bytes = upload_limits(settings, shapes).body_bytes
         self.max_body_bytes = settings.max_request_body_bytes

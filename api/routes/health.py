@@ -1,7 +1,7 @@
 """Liveness and readiness probes (unauthenticated, as orchestrators expect).
 
 Both are `async` and touch no thread pool: `/health` (liveness) looks only at this process; `/ready`
-awaits its dependency probes (api/blocking.py: single-flight, in their own pool) for at most
+awaits its dependency probes (api/http/blocking.py: single-flight, in their own pool) for at most
 `ready_timeout_s` each, so neither can queue behind hung uploads, a hung object store or database, or
 a saturated worker pool (issue 13).
 """

@@ -8,14 +8,14 @@ from fastapi import APIRouter, Request, Response
 
 from api.deps import SessionDep, StateDep, TenantDep
 from api.errors import model_not_found, responses
-from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.provenance import OPENAPI_HEADERS
-from api.responses import create_completion
+from api.inference.protocol import ChatCompletionRequest, CompletionRequest
+from api.inference.provenance import OPENAPI_HEADERS
+from api.inference.responses import create_completion
 from api.state import AppState
 from registry.adapters import list_adapters
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-# 200: the answer (JSON, or an SSE stream), with its request id and provenance headers (api/provenance.py).
+# 200: the answer (JSON, or an SSE stream), with its request id and provenance headers (api/inference/provenance.py).
 _ANSWER = {200: {"description": "The completion, or its SSE stream", "headers": OPENAPI_HEADERS}}
 
 

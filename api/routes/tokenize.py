@@ -7,10 +7,10 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from api import tokenization
 from api.deps import SessionDep, StateDep, TenantDep
 from api.errors import responses
-from api.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from api.inference import tokenization
+from api.inference.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 router = APIRouter(tags=["tokenize"])
 
@@ -22,7 +22,7 @@ async def tokenize(
     session: SessionDep,
     caller: TenantDep,
 ) -> dict[str, Any]:
-    async with state.plan_gate.slot(caller.tenant.id):  # as completions: api/plan_gate.py
+    async with state.plan_gate.slot(caller.tenant.id):  # as completions: api/tenancy/plan_gate.py
         return await run_in_threadpool(
             tokenization.tokenize, state=state, session=session, caller=caller, body=body
         )

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.formatting import token_bytes
+from api.inference.formatting import token_bytes
 from base_engine.model.tokenizer import load_tokenizer
 from tests.api.conftest import Server
 from tests.api.uploads import files_of, peft_adapter, upload
@@ -152,8 +152,8 @@ def test_tokenize_and_detokenize_as_vllm(
 def test_message_name_reaches_the_chat_template(tiny_llama_dir: Path) -> None:
     """The template sees `name` (the served tiny template ignores it, so this renders with one that
     prints it, through the same function the chat endpoint and /tokenize use)."""
-    from api.protocol import ChatCompletionRequest
-    from api.tools import template_messages
+    from api.inference.protocol import ChatCompletionRequest
+    from api.inference.tools import template_messages
 
     body = ChatCompletionRequest(
         model=BASE,

@@ -1,4 +1,4 @@
-"""api.blocking: /ready probes are single-flight and bounded in time; the upload gate never waits."""
+"""api.http.blocking: /ready probes are single-flight and bounded in time; the upload gate never waits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from api.blocking import Probe, UploadGate
+from api.http.blocking import Probe, UploadGate
 
 
 def test_hung_probe_pins_one_thread_and_answers_within_its_timeout() -> None:

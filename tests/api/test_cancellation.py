@@ -12,9 +12,9 @@ import pytest
 
 from api.bootstrap import build_state
 from api.deps import Caller
-from api.generation import GenerationPlan, collect, plan_generation
-from api.protocol import CompletionRequest
-from api.responses import admit
+from api.inference.generation import GenerationPlan, collect, plan_generation
+from api.inference.protocol import CompletionRequest
+from api.inference.responses import admit
 from api.settings import Settings
 from api.state import AppState
 from base_engine.async_engine import EngineRequest

@@ -1,4 +1,4 @@
-"""api.admission fairness (issue 13: one tenant took all 320 slots, another got 10/10 503s), on the
+"""api.tenancy.admission fairness (issue 13: one tenant took all 320 slots, another got 10/10 503s), on the
 algorithm alone: a fake clock, tickets taken and released by hand, and a randomized flood."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from api.admission import WAITING_WINDOW_S, Admission, Ticket
 from api.errors import APIError
+from api.tenancy.admission import WAITING_WINDOW_S, Admission, Ticket
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""Slow request headers (api/header_timeout.py) on both of uvicorn's HTTP implementations, on a real
+"""Slow request headers (api/http/header_timeout.py) on both of uvicorn's HTTP implementations, on a real
 uvicorn server over TCP: an idle or trickling connection is closed after the header deadline, a long
 answer is never cut by it, and the deadline starts again after each response on a keep-alive
 connection. Without the deadline uvicorn keeps such connections forever (these tests then time out).
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from api.header_timeout import H11HeaderDeadline, protocol_class
+from api.http.header_timeout import H11HeaderDeadline, protocol_class
 from tests.api.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,13 +14,13 @@ import pytest
 from api.bootstrap import build_state
 from api.context import RequestContext
 from api.deps import Caller
-from api.generation import GenerationPlan, abandon_unstarted, collect, plan_generation
+from api.inference.generation import GenerationPlan, abandon_unstarted, collect, plan_generation
+from api.inference.protocol import CompletionRequest
+from api.inference.responses import admit
 from api.metering_service import quota_error, usage_record
-from api.protocol import CompletionRequest
-from api.quotas import QuotaExceededError
-from api.responses import admit
 from api.settings import Settings
 from api.state import AppState
+from api.tenancy.quotas import QuotaExceededError
 from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestMetrics, RequestOutput
 from base_engine.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""`--model` resolution (api/model_source.py) and the checkpoint's sampling defaults (api/sampling.py),
+"""`--model` resolution (api/model_source.py) and the checkpoint's sampling defaults (api/inference/sampling.py),
 without the network: conversions are stubbed where a real one would take a minute."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from api import model_source
+from api.inference.protocol import ChatCompletionRequest
+from api.inference.sampling import generation_defaults, sampling_params
 from api.model_source import (
     RANDOM_DEMO,
     SMOLLM2,
@@ -17,8 +19,6 @@ from api.model_source import (
     last_served_model,
     record_served_model,
 )
-from api.protocol import ChatCompletionRequest
-from api.sampling import generation_defaults, sampling_params
 from api.settings import Settings
 from base_engine.gguf import CONVERSION_VERSION, MARKER_FILE, is_converted
 

@@ -158,7 +158,7 @@ def test_s3_outage_is_a_retryable_503_for_adapters_not_yet_loaded(
 
 
 def test_adapter_fetch_tells_an_unreachable_store_from_other_failures(tmp_path: Path) -> None:
-    from api.adapter_fetch import AdapterFetch, StoreUnreachable
+    from api.inference.adapter_fetch import AdapterFetch, StoreUnreachable
 
     store = LocalStore(tmp_path / "objects")
     source = peft_adapter(tmp_path / "adapter")

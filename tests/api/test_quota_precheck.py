@@ -1,4 +1,4 @@
-"""A tenant already over its rate limits is refused before its request is planned (api/quotas.py
+"""A tenant already over its rate limits is refused before its request is planned (api/tenancy/quotas.py
 `precheck`, the `plan_checks` seam): its prompts are never tokenized, its refusal is the 429 that
 admission would give, with the OpenAI rate-limit headers. In process on the real app."""
 
@@ -10,8 +10,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.quotas import QuotaExceededError, QuotaLimiter
 from api.state import AppState
+from api.tenancy.quotas import QuotaExceededError, QuotaLimiter
 from registry.types import TenantQuotas
 from tests.api import console_helpers as ch
 

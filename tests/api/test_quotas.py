@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from api.quotas import QuotaExceededError, QuotaLimiter, format_duration
+from api.tenancy.quotas import QuotaExceededError, QuotaLimiter, format_duration
 from registry.types import TenantQuotas
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from api.protocol import ChatCompletionRequest
-from api.tools import ToolPlan, detect_format, forced_call_grammar, message_fields, plan_tools
+from api.inference.protocol import ChatCompletionRequest
+from api.inference.tools import ToolPlan, detect_format, forced_call_grammar, message_fields, plan_tools
 from base_engine.constraints import GrammarCompiler
 from base_engine.testing.tokenizer import build_tokenizer
 

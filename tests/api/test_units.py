@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from api.admission import Admission
 from api.context import compute_usage
 from api.errors import APIError
-from api.keyfiles import read_or_create_secret, replace_secret, tenant_cache_salt
-from api.sampling import derive_seed
+from api.inference.sampling import derive_seed
+from api.tenancy.admission import Admission
+from api.tenancy.keyfiles import read_or_create_secret, replace_secret, tenant_cache_salt
 from base_engine.outputs import RequestOutput
 
 
@@ -74,9 +74,9 @@ def test_503_after_the_quota_check_does_not_consume_the_tenants_limits() -> None
     from types import SimpleNamespace
 
     from api.context import RequestContext
+    from api.inference.responses import admit
     from api.metering_service import check_quota
-    from api.quotas import QuotaLimiter
-    from api.responses import admit
+    from api.tenancy.quotas import QuotaLimiter
     from registry.types import TenantQuotas
 
     limiter = QuotaLimiter(TenantQuotas(rpm=1, tpm=50, max_concurrent=1))

@@ -1,4 +1,4 @@
-"""The fleet's quota backend (api/quotas_db.py) decides exactly as the in-memory one (api/quotas.py).
+"""The fleet's quota backend (api/tenancy/quotas_db.py) decides exactly as the in-memory one (api/tenancy/quotas.py).
 
 Same scenarios on "memory", "sqlite" and "postgresql" (a real throwaway cluster), plus a differential
 run: one seeded random sequence of admissions, releases, refunds and clock steps gives the same
@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from api.errors import APIError
-from api.quotas import Admission, QuotaExceededError, QuotaLimiter
-from api.quotas_db import DbQuotaLimiter
+from api.tenancy.quotas import Admission, QuotaExceededError, QuotaLimiter
+from api.tenancy.quotas_db import DbQuotaLimiter
 from registry.db import make_engine, session_factory, upgrade
 from registry.types import TenantQuotas
 

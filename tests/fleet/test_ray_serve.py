@@ -278,7 +278,7 @@ def test_a_tenants_rpm_limit_holds_across_both_replicas(fleet: Fleet) -> None:
     ok = [r for r in responses if r.status_code == 200]
     refused = [r for r in responses if r.status_code == 429]
     assert len(ok) + len(refused) == 20, [r.text for r in responses]
-    # One bucket for the fleet (api/quotas_db.py), not one per replica: 20 would pass with two.
+    # One bucket for the fleet (api/tenancy/quotas_db.py), not one per replica: 20 would pass with two.
     assert 10 <= len(ok) <= 10 + int(elapsed / 6), (len(ok), elapsed)  # rpm 10 refills one per 6 s
     assert all(r.headers["retry-after"] for r in refused)
     assert len({r.headers["x-loraserve-replica"] for r in responses}) == 2

@@ -9,7 +9,7 @@ each version once however many ask):
   through `fetch` and fails the requests waiting for an adapter whose load failed (and tries again
   after a pause, at once when the files have reached the disk tier meanwhile). There, an
   unreachable store raises `StoreUnreachable` (a ConnectionError) and is noted, so that the API
-  answers those requests with the same retryable 503 rather than a 500 (api/responses.py).
+  answers those requests with the same retryable 503 rather than a 500 (api/inference/responses.py).
 The store's own message (endpoint, bucket, key) goes to the log only.
 """
 

@@ -80,7 +80,7 @@ class Bucket:
 
 @dataclass(slots=True)
 class TenantState:
-    """One tenant's counters; the in-memory backend keeps them in a dict, api/quotas_db.py in rows."""
+    """One tenant's counters; the in-memory backend keeps them in a dict, api/tenancy/quotas_db.py in rows."""
 
     requests: Bucket | None = None
     tokens: Bucket | None = None
@@ -194,7 +194,7 @@ def headers_of(state: TenantState, limits: Limits, window_s: float) -> dict[str,
 
 
 class QuotaLimiter:
-    """The in-memory backend: one process's counters. api/quotas_db.py is the fleet's, same rules."""
+    """The in-memory backend: one process's counters. api/tenancy/quotas_db.py is the fleet's, same rules."""
 
     def __init__(
         self,

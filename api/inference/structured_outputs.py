@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import APIError
-from api.tools import ToolPlan, forced_call_grammar
+from api.inference.tools import ToolPlan, forced_call_grammar
 from base_engine.constraints import CompiledGrammar, GrammarCompiler, GrammarError
 
 _compilers: dict[int, tuple[Any, GrammarCompiler]] = {}

@@ -4,7 +4,7 @@ headers, counted from when it opened or its previous response ended.
 uvicorn arms no timer until a first response has been sent, and each byte that arrives cancels its
 keep-alive timer: a client that connects and sends nothing, or trickles header bytes one at a time,
 holds a socket and a file descriptor forever, and a few thousand such clients leave none for anyone
-else. Bodies are bounded by api/body_limit.py once the headers are in; this covers the part before.
+else. Bodies are bounded by api/http/body_limit.py once the headers are in; this covers the part before.
 
 On expiry: a connection that sent part of a request gets 408 `request_timeout` (OpenAI-shaped) and
 is closed; an idle one is closed without a reply (an answer on an idle keep-alive connection could be

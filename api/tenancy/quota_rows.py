@@ -1,6 +1,6 @@
-"""The fleet's quota tables read and written as api/quotas.py's `TenantState`s.
+"""The fleet's quota tables read and written as api/tenancy/quotas.py's `TenantState`s.
 
-`api/quotas_db.py` decides admissions and releases; this module holds what it does to the rows inside
+`api/tenancy/quotas_db.py` decides admissions and releases; this module holds what it does to the rows inside
 its transactions: lock (or create) a tenant's `quota_buckets` row, drop its expired leases and count the
 live ones, turn a row into buckets and back, and read the database's clock.
 """
@@ -14,7 +14,7 @@ from sqlalchemy import delete, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from api.quotas import Bucket, TenantState
+from api.tenancy.quotas import Bucket, TenantState
 from registry.fleet_state_models import QuotaBucketRow, QuotaLeaseRow
 
 

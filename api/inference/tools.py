@@ -17,7 +17,7 @@ free text, parsed), "required" (one or more calls, `parallel_tool_calls=false`: 
 finish with "tool_calls".
 
 Text that looks like a call but does not parse (a block that is not JSON, an unknown function) stays in
-`content`, so nothing the model wrote is lost. The parser (output -> calls) is api/tool_parser.py.
+`content`, so nothing the model wrote is lost. The parser (output -> calls) is api/inference/tool_parser.py.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import APIError
-from api.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
-from api.tool_parser import (
+from api.inference.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
+from api.inference.tool_parser import (
     HERMES_CLOSE,
     HERMES_OPEN,
     MISTRAL_MARKER,
@@ -225,7 +225,7 @@ def forced_call_grammar(plan: ToolPlan, tokenizer: Any) -> str | None:
     return f"start: obj{repeat}\nobj: {lark_json(one)}\n"
 
 
-# ---- the finished message (parsing itself: api/tool_parser.py) --------------------------------------
+# ---- the finished message (parsing itself: api/inference/tool_parser.py) --------------------------------------
 
 
 def message_fields(plan: ToolPlan | None, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:

@@ -16,11 +16,11 @@ from sqlalchemy.orm import Session
 
 from api.deps import Caller
 from api.errors import APIError
-from api.generation import resolve_model
-from api.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
-from api.sampling import refuse_unfittable_text
+from api.inference.generation import resolve_model
+from api.inference.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
+from api.inference.sampling import refuse_unfittable_text
+from api.inference.tools import plan_tools, template_messages, template_tools
 from api.state import AppState
-from api.tools import plan_tools, template_messages, template_tools
 from base_engine.model.tokenizer import render_chat
 
 

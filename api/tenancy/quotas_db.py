@@ -1,4 +1,4 @@
-"""The fleet's rate limits: api/quotas.py's rules with the counters in the shared database.
+"""The fleet's rate limits: api/tenancy/quotas.py's rules with the counters in the shared database.
 
 N replicas enforce a tenant's rpm/tpm/concurrency once, not N times. Each admission is one short
 transaction: lock the tenant's `quota_buckets` row (SELECT ... FOR UPDATE; SQLite's BEGIN IMMEDIATE),
@@ -14,7 +14,7 @@ in-memory backend and write the row and a new lease back. No lock is held across
 - Releases and refunds are written by a background thread (the request's end must not wait on the
   database, which may be down); an admission on this replica writes any still-pending ones first,
   so a client that sends its next request at once is never refused by its own finished one.
-- The rows are read and written through api/quota_rows.py (lock, live leases, row <-> TenantState).
+- The rows are read and written through api/tenancy/quota_rows.py (lock, live leases, row <-> TenantState).
 - A database outage during admission is 503 `database_unavailable` + Retry-After (api/errors.py),
   never a silent unlimited pass: a fleet without its database cannot count, so it does not admit.
 """
@@ -35,8 +35,9 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import database_unavailable, is_database_outage
-from api.quota_rows import bucket_state, db_now, live_state, lock_row, num_live_leases, write_row
-from api.quotas import (
+from api.settings import Settings
+from api.tenancy.quota_rows import bucket_state, db_now, live_state, lock_row, num_live_leases, write_row
+from api.tenancy.quotas import (
     Admission,
     Limits,
     QuotaExceededError,
@@ -49,7 +50,6 @@ from api.quotas import (
     release_tokens,
     take,
 )
-from api.settings import Settings
 from registry.fleet_state_models import QuotaBucketRow, QuotaLeaseRow
 from registry.types import TenantQuotas
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from api.errors import APIError
-from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.tools import ToolPlan, template_messages, template_tools
+from api.inference.protocol import ChatCompletionRequest, CompletionRequest
+from api.inference.tools import ToolPlan, template_messages, template_tools
 from base_engine.model.token_bound import least_tokens
 from base_engine.model.tokenizer import render_chat
 from base_engine.sampling_params import SamplingParams
@@ -212,7 +212,7 @@ def sampling_params(
 
     `defaults`: the checkpoint's sampling defaults (`generation_defaults`) for fields the body omits.
 
-    `constraint`: this choice's own grammar matcher (api/structured_outputs.py); `keep_special_tokens`:
+    `constraint`: this choice's own grammar matcher (api/inference/structured_outputs.py); `keep_special_tokens`:
     the text keeps special tokens (a tool-call marker that is one), whatever the request asked."""
     options: dict[str, Any] = {
         "max_tokens": _max_tokens(body, num_prompt, max_model_len),

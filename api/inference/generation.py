@@ -2,7 +2,7 @@
 
 1. `plan_generation` (sync, in a worker thread): resolve `model` (base or the caller's adapter, never
    another tenant's), tokenize, check parameters and context length, build one engine request per
-   choice (derived seeds for n > 1, the tenant's cache salt), and its provenance (api/provenance.py:
+   choice (derived seeds for n > 1, the tenant's cache salt), and its provenance (api/inference/provenance.py:
    a seed drawn when none was sent, `deterministic`). Errors here are 4xx before any 200.
 2. admission checks (quotas, issue 7) then `Admission.acquire` (bounded queue, 503 + Retry-After).
 3. `run_choices`: submit every engine request, merge their outputs, enforce the per-request timeout,
@@ -23,9 +23,9 @@ from sqlalchemy.orm import Session
 from api.context import RequestContext, RequestKind, new_request_id
 from api.deps import Caller
 from api.errors import APIError, model_not_found
-from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.provenance import request_provenance
-from api.sampling import (
+from api.inference.protocol import ChatCompletionRequest, CompletionRequest
+from api.inference.provenance import request_provenance
+from api.inference.sampling import (
     check_stream_options,
     encode_chat_prompt,
     encode_completion_prompts,
@@ -33,9 +33,9 @@ from api.sampling import (
     request_seed,
     sampling_params,
 )
+from api.inference.structured_outputs import request_grammar
+from api.inference.tools import ToolPlan, plan_tools
 from api.state import AppState
-from api.structured_outputs import request_grammar
-from api.tools import ToolPlan, plan_tools
 from base_engine.async_engine import EngineRequest, failed_output
 from base_engine.outputs import RequestOutput
 from registry.adapters import resolve_adapter
@@ -52,7 +52,7 @@ class GenerationPlan:
     stream: bool
     include_usage: bool
     num_top_logprobs: int | None  # None = no logprobs asked
-    tools: ToolPlan | None = None  # chat with `tools`: how to parse the output (api/tools.py)
+    tools: ToolPlan | None = None  # chat with `tools`: how to parse the output (api/inference/tools.py)
     is_started: bool = False  # run_choices began: from then on it reports every engine request's end
 
 

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 HEADER = "X-Loraserve-Provenance"
 PACKAGE = "loraserve"
-_SOURCE_ROOT = Path(__file__).resolve().parents[1]  # the checkout when run from one
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout when run from one
 _SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # printable ASCII stays as it is
 
 # /openapi.json: the 200 of both completion routes (FastAPI `responses=`).

@@ -1,13 +1,13 @@
 """Request bodies of the OpenAI endpoints (openai/openai-openapi `CreateCompletionRequest`,
 `CreateChatCompletionRequest`) plus vLLM's sampling extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`) and our `deterministic` (issue 18: batch-invariant, api/sampling.py).
+`include_stop_str_in_output`) and our `deterministic` (issue 18: batch-invariant, api/inference/sampling.py).
 
 Unknown fields are refused (`extra="forbid"` -> 400 "Unrecognized request argument supplied: x"),
 as OpenAI does and vLLM does not. Fields OpenAI defines but this server does not implement are
 declared so that their defaults pass and any other value is refused naming the field: nothing
 is silently ignored. Cross-field rules (stream_options without stream, context length) live in
-api/sampling.py, where the error can name the field.
+api/inference/sampling.py, where the error can name the field.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None  # checked in api/structured_outputs.py
+    response_format: dict[str, Any] | None = None  # checked in api/inference/structured_outputs.py
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None

@@ -7,7 +7,7 @@ has ended (a shutdown's drain aborts them all; an engine error), an include_usag
 its usage chunk first, so clients see what they are billed. Usage comes from the engine's final
 outputs through `api.context.compute_usage`, the rule metering also uses. As a stream hands tokens
 to its client it reports them to `on_progress` (the meter's crash bound, api/metering.py). Every
-answer, streamed or not, carries `X-Loraserve-Provenance` (api/provenance.py).
+answer, streamed or not, carries `X-Loraserve-Provenance` (api/inference/provenance.py).
 """
 
 from __future__ import annotations
@@ -22,15 +22,14 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from api import formatting as fmt
-from api import provenance
-from api.adapter_fetch import RETRY_AFTER_S as ADAPTER_RETRY_AFTER_S
-from api.adapter_fetch import StoreUnreachable
-from api.admission import NOT_ADMITTED, Ticket
 from api.context import RequestContext, RequestKind, Usage, compute_usage, new_request_id
 from api.deps import Caller
 from api.errors import APIError
-from api.generation import (
+from api.inference import formatting as fmt
+from api.inference import provenance
+from api.inference.adapter_fetch import RETRY_AFTER_S as ADAPTER_RETRY_AFTER_S
+from api.inference.adapter_fetch import StoreUnreachable
+from api.inference.generation import (
     GenerationPlan,
     RequestTimeout,
     abandon_unstarted,
@@ -40,10 +39,11 @@ from api.generation import (
     run_choices,
     unless_disconnected,
 )
-from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.inference.protocol import ChatCompletionRequest, CompletionRequest
+from api.inference.tools import finish_reason as tool_finish_reason
+from api.inference.tools import message_fields as tool_fields
 from api.state import AppState
-from api.tools import finish_reason as tool_finish_reason
-from api.tools import message_fields as tool_fields
+from api.tenancy.admission import NOT_ADMITTED, Ticket
 from base_engine.outputs import RequestOutput
 from registry.errors import RegistryError
 

@@ -1,7 +1,7 @@
 """Parsing a model's output back into OpenAI `tool_calls`: the three tool-call syntaxes (`llama3_json`,
-`hermes`, `mistral`; see api/tools.py), whole texts and streamed deltas.
+`hermes`, `mistral`; see api/inference/tools.py), whole texts and streamed deltas.
 
-Separate from api/tools.py, which plans a request's tools (validation, templates, the forced-call
+Separate from api/inference/tools.py, which plans a request's tools (validation, templates, the forced-call
 grammar): this is the output side, and it needs only the syntax and the tool names, not the request.
 """
 

@@ -1,0 +1,1 @@
+"""api/http: see README.md."""

@@ -1,0 +1,1 @@
+"""api/inference: see README.md."""

@@ -1,0 +1,1 @@
+"""api/tenancy: see README.md."""
