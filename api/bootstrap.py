@@ -16,7 +16,7 @@ from api.demo_traits import TRAITS
 from api.fleet_start import check_fleet_schema, check_fleet_settings, fleet_server_secret
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.provenance import server_provenance
-from api.metering_service import install as install_metering
+from api.metering.service import install as install_metering
 from api.model_source import record_served_model
 from api.settings import Settings
 from api.state import AppState

@@ -39,7 +39,7 @@ from api.context import RequestContext, Usage
 from api.http.blocking import BlockingPools, Probe, UploadGate
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.sampling import SeedSource
-from api.metering import UsageMeter
+from api.metering.meter import UsageMeter
 from api.metrics import Metrics
 from api.settings import Settings
 from api.tenancy.admission import Admission, InFlight, Release
@@ -86,7 +86,7 @@ class AppState:
     on_progress: list[Callable[[RequestContext, Usage], None]] = field(default_factory=list)
     on_drain: list[Callable[[], Any]] = field(default_factory=list)  # sync or async; run once
     demo: DemoInfo | None = None
-    # Issue 7, set by api.metering_service.install: usage meter, Prometheus metrics, rate limits.
+    # Issue 7, set by api.metering.service.install: usage meter, Prometheus metrics, rate limits.
     meter: UsageMeter | None = None
     metrics: Metrics | None = None
     quotas: QuotaLimiter | None = None

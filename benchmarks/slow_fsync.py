@@ -6,7 +6,7 @@ Starts two real `loraserve serve` processes on the same small random model: "pla
 whose `os.fsync` sleeps `--fsync-delay-s` (0.2 s) before syncing. The delay is injected at process
 level by the launcher (`python -c` replacing `os.fsync`, then `api.cli.main()`), with no hook in
 library code; the plain server runs the same launcher with a delay of 0, so both differ only there.
-(SQLite's own fsyncs, in C, are not slowed: the injection covers the usage journal, api/metering.py.)
+(SQLite's own fsyncs, in C, are not slowed: the injection covers the usage journal, api/metering/meter.py.)
 
 Per round, against one server: `--background` clients keep sending short chat requests
 (max_tokens 1-2) so that requests keep finishing and usage journaling and its fsyncs keep happening,

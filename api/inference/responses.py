@@ -6,7 +6,7 @@ with `choices: []` and the usage, then `data: [DONE]`. Once the 200 is out, a fa
 has ended (a shutdown's drain aborts them all; an engine error), an include_usage stream still gets
 its usage chunk first, so clients see what they are billed. Usage comes from the engine's final
 outputs through `api.context.compute_usage`, the rule metering also uses. As a stream hands tokens
-to its client it reports them to `on_progress` (the meter's crash bound, api/metering.py). Every
+to its client it reports them to `on_progress` (the meter's crash bound, api/metering/meter.py). Every
 answer, streamed or not, carries `X-Loraserve-Provenance` (api/inference/provenance.py).
 """
 

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from api.deps import AdminDep, SessionDep, StateDep, TenantDep
 from api.errors import APIError, responses
 from api.http.blocking import run_in
-from api.metering_service import refresh_engine_metrics
+from api.metering.service import refresh_engine_metrics
 from api.state import AppState
 from registry.usage import GroupBy, UsageGroup, export_usage, to_cloudevent, usage_summary
 

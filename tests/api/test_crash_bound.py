@@ -25,7 +25,7 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session
 
-from api.metering import UsageMeter
+from api.metering.meter import UsageMeter
 from registry.db import make_engine, session_factory
 from registry.usage import UsageRecord, export_usage
 from tests.api.conftest import ADMIN_KEY, ServerProcess, main_server_args
@@ -33,7 +33,7 @@ from tests.api.test_metering import ROOT, begin, record, sqlite_session, stored 
 
 BASE = "tiny-llama"
 LONG_LEN = 2048  # the tiny Llama's context: long enough that a stream is still running when it is cut
-BOUND_S = 1.0  # the documented crash bound (api/metering.py)
+BOUND_S = 1.0  # the documented crash bound (api/metering/meter.py)
 
 
 def test_fsync_never_holds_the_lock_of_the_request_path(
@@ -80,7 +80,7 @@ _CRASHING_CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
     from pathlib import Path
-    from api.metering import UsageMeter
+    from api.metering.meter import UsageMeter
     from registry.db import make_engine, session_factory
     from tests.api.test_metering import begin, record
 
@@ -133,7 +133,7 @@ def test_a_crash_during_compaction_leaves_both_journals_and_loses_nothing(
     sqlite_session: Callable[[], Session],  # noqa: F811 - the fixture
     tmp_path: Path,
 ) -> None:
-    from api.usage_journal import InFlightRequest, Progress, begin_line, finish_line, progress_line
+    from api.metering.journal import InFlightRequest, Progress, begin_line, finish_line, progress_line
 
     journal = tmp_path / "usage.journal"
     meter = UsageMeter(sqlite_session, journal_path=journal)

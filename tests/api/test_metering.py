@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session
 
-from api.metering import UsageMeter
+from api.metering.meter import UsageMeter
 from registry.db import make_engine, session_factory, upgrade
 from registry.usage import UsageRecord, export_usage
 
@@ -160,7 +160,7 @@ _CRASHING_CHILD = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    from api.metering import UsageMeter
+    from api.metering.meter import UsageMeter
     from registry.db import make_engine, session_factory
     from tests.api.test_metering import begin, record
 

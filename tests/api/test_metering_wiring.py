@@ -17,7 +17,7 @@ from api.deps import Caller
 from api.inference.generation import GenerationPlan, abandon_unstarted, collect, plan_generation
 from api.inference.protocol import CompletionRequest
 from api.inference.responses import admit
-from api.metering_service import quota_error, usage_record
+from api.metering.service import quota_error, usage_record
 from api.settings import Settings
 from api.state import AppState
 from api.tenancy.quotas import QuotaExceededError

@@ -18,9 +18,9 @@ import api.model_hash
 from api.inference.protocol import ChatCompletionRequest
 from api.inference.provenance import git_sha, header_value
 from api.inference.sampling import SeedSource, request_seed, sampling_params
+from api.metering.journal import InFlightRequest, begin_line, finish_line, parse_line
 from api.model_hash import CACHE_FILE, base_model_sha256
 from api.settings import Settings
-from api.usage_journal import InFlightRequest, begin_line, finish_line, parse_line
 from base_engine.gguf import CONVERSION_VERSION, MARKER_FILE
 from registry.provenance import Provenance
 from tests.api.test_provenance import parse_dictionary

@@ -75,7 +75,7 @@ def test_503_after_the_quota_check_does_not_consume_the_tenants_limits() -> None
 
     from api.context import RequestContext
     from api.inference.responses import admit
-    from api.metering_service import check_quota
+    from api.metering.service import check_quota
     from api.tenancy.quotas import QuotaLimiter
     from registry.types import TenantQuotas
 

@@ -9,7 +9,7 @@ What is metered (one `UsageRecord` per HTTP request, keyed by its request id = r
   prompt tokens of the first choice, completion tokens of every choice. An admitted request pays
   for its prompt even when it is aborted before the engine ran it. While a stream runs, `progress`
   notes the tokens it has sent (`on_progress`), so that after a crash recovery bills the prompt and
-  what was streamed up to ~0.5 s before it (api/metering.py).
+  what was streamed up to ~0.5 s before it (api/metering/meter.py).
 - not requests refused before admission: 400 (validation, context length), 401, 404, 429 (quota)
   and 503 (overload, draining) never reach the engine and are not billed, as OpenAI does not bill
   them (../shared/reference/platform.md section 1.4).
@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 
 from api.context import RequestContext, Usage, compute_usage
 from api.errors import APIError
-from api.metering import UsageMeter
+from api.metering.meter import UsageMeter
 from api.metrics import Metrics
 from api.state import AppState
 from api.tenancy.admission import NOT_ADMITTED, Release

@@ -2,7 +2,7 @@
 order through `registry.usage.write_usage` (ON CONFLICT (request_id) DO NOTHING, so a replay never
 double-bills), and put back in front, in order, when a write fails.
 
-Separate from api/metering.py, which decides when to flush (its flusher thread, `stop`, usage reads)
+Separate from api/metering/meter.py, which decides when to flush (its flusher thread, `stop`, usage reads)
 and keeps the requests in flight: this is the database side of the outbox pattern
 (../shared/reference/platform.md, section 3.2).
 """

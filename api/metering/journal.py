@@ -6,7 +6,7 @@ created_at, completion_tokens, cached_prompt_tokens, user, provenance}` when a r
 completion_tokens, cached_prompt_tokens}` as a stream hands tokens to its client; `{"op": "finish",
 "record": {UsageRecord fields}}` when it ends. Times are ISO 8601 with their UTC offset. The reader
 does not depend on line order (the largest progress of a request counts, a finish overrides all).
-A line cut short by a crash does not parse and is skipped (api/metering.py, `UsageMeter.recover`).
+A line cut short by a crash does not parse and is skipped (api/metering/meter.py, `UsageMeter.recover`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The usage meter's open journal file: appends, the journal thread's fsync, and compaction (the swap
 to a successor file holding only what is still unbilled).
 
-Separate from api/metering.py, which keeps the meter's in-memory state (requests in flight, records
+Separate from api/metering/meter.py, which keeps the meter's in-memory state (requests in flight, records
 not yet written) and its threads: this holds the file handling, and the lock order that keeps a slow
-disk off the request path. The line format is api/usage_journal.py's.
+disk off the request path. The line format is api/metering/journal.py's.
 
 Locks. The handle and its dirty flag are guarded by the meter's lock (`lock`, shared, so a request's
 state change and its journal line are one step that compaction sees whole); the request path takes
@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-from api.usage_journal import fsync_dir, open_journal
+from api.metering.journal import fsync_dir, open_journal
 
 
 class JournalFile:

@@ -1,7 +1,7 @@
 """Usage metering: every request billed exactly once, off the request path, surviving a crash.
 
 The outbox pattern of ../shared/reference/platform.md, section 3.2, with a local write-ahead journal
-in front of it (line format in api/usage_journal.py):
+in front of it (line format in api/metering/journal.py):
 
 - `begin(request_id, ...)` appends a `begin` line when a request is admitted (tenant, key prefix,
   adapter, prompt tokens, start time).
@@ -9,7 +9,7 @@ in front of it (line format in api/usage_journal.py):
   client; the journal thread appends a `progress` line for every request that moved, every
   `progress_interval_s`.
 - `finish(record)` appends a `finish` line with the full `UsageRecord` and buffers the record.
-- The flusher thread writes the buffer (api/usage_outbox.py) to SQL every `flush_interval_s` (or as
+- The flusher thread writes the buffer (api/metering/outbox.py) to SQL every `flush_interval_s` (or as
   soon as `batch_size` records wait) through `registry.usage.write_usage`, which inserts with ON
   CONFLICT (request_id) DO NOTHING, so replays never double-bill. After a successful write the
   journal is compacted: a successor file holding only the requests still in flight (with their
@@ -22,7 +22,7 @@ in front of it (line format in api/usage_journal.py):
   modification time.
 
 Locks. `_lock` guards the in-memory state and the journal handle; the request path only ever takes
-it for a dictionary update and one buffered journal line (no fsync: api/usage_journal_file.py).
+it for a dictionary update and one buffered journal line (no fsync: api/metering/journal_file.py).
 
 Crash bound. `begin` and `finish` lines reach the operating system before those calls return;
 progress lines at most `progress_interval_s` (0.5 s) after the client was sent the tokens; the
@@ -52,9 +52,9 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from api.usage_journal import InFlightRequest, Progress, begin_line, finish_line, progress_line, replay
-from api.usage_journal_file import JournalFile
-from api.usage_outbox import UsageOutbox
+from api.metering.journal import InFlightRequest, Progress, begin_line, finish_line, progress_line, replay
+from api.metering.journal_file import JournalFile
+from api.metering.outbox import UsageOutbox
 from registry.provenance import Provenance
 from registry.usage import UsageRecord
 

@@ -1,0 +1,1 @@
+"""api/metering: see README.md."""
