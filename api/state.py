@@ -40,7 +40,7 @@ from api.http.blocking import BlockingPools, Probe, UploadGate
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.sampling import SeedSource
 from api.metering.meter import UsageMeter
-from api.metrics import Metrics
+from api.metrics.prometheus import Metrics
 from api.settings import Settings
 from api.tenancy.admission import Admission, InFlight, Release
 from api.tenancy.keyfiles import tenant_cache_salt

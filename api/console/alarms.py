@@ -1,4 +1,4 @@
-"""Alarm rules for the Overview page, evaluated on the metrics ring (api/metrics_window.py).
+"""Alarm rules for the Overview page, evaluated on the metrics ring (api/metrics/window.py).
 
 Three alarms, each a pure function of the last minutes of samples so it can be tested alone:
 - preemptions rising: the engine preempted requests in the last minute, at least as many as in the

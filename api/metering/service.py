@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from api.context import RequestContext, Usage, compute_usage
 from api.errors import APIError
 from api.metering.meter import UsageMeter
-from api.metrics import Metrics
+from api.metrics.prometheus import Metrics
 from api.state import AppState
 from api.tenancy.admission import NOT_ADMITTED, Release
 from api.tenancy.quotas import QuotaExceededError

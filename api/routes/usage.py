@@ -7,7 +7,7 @@
   id, so any billing system can dedupe), resumable: pass `X-Next-Cursor` back as `cursor`.
 - `GET /metrics`: Prometheus text format, unauthenticated as scrapers expect (bind the server to a
   private interface in production); no tenant names or ids unless `metrics_tenant_labels` is set or
-  the scrape sends `Authorization: Bearer <metrics_token>` (api/metrics.py).
+  the scrape sends `Authorization: Bearer <metrics_token>` (api/metrics/prometheus.py).
 Every usage read flushes the meter first, so it includes each request that finished before it.
 Times are ISO 8601 (a date means midnight UTC; no zone means UTC) or Unix seconds; [start, end).
 """

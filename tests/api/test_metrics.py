@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.metric_series import one_two_five_buckets
-from api.metrics import Metrics
-from api.metrics_window import RecentStats
+from api.metrics.series import one_two_five_buckets
+from api.metrics.prometheus import Metrics
+from api.metrics.window import RecentStats
 from base_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 
 # From ../shared/reference/platform.md section 2.1 (vLLM V1 loggers.py), not from our code.

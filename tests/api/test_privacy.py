@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.metering.meter import UsageMeter
-from api.metrics import Metrics
+from api.metrics.prometheus import Metrics
 from api.state import AppState
 from base_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from tests.api import console_helpers as ch

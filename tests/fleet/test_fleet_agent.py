@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.fleet.agent import DB_CONNECT_TIMEOUT_S, ReplicaAgent
 from api.fleet.views import merge_expositions
-from api.metrics import Metrics
+from api.metrics.prometheus import Metrics
 from api.state import AppState
 from registry import fleet
 from registry.adapters import delete_adapter

@@ -1,6 +1,6 @@
 """Prometheus metrics: vLLM-compatible names so existing dashboards work, plus `loraserve_*`. This
 module decides what is counted when (a request finishes, engine stats arrive) and renders; the series
-themselves (names, labels, buckets, after vLLM's V1 engine) are defined in api/metric_series.py.
+themselves (names, labels, buckets, after vLLM's V1 engine) are defined in api/metrics/series.py.
 `vllm:kv_cache_usage_perc` is the share of KV blocks held by live requests (blocks that only the
 prefix cache remembers count as free), as vLLM computes it.
 
@@ -31,11 +31,11 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from api.metric_series import (
+from api.metrics.series import (
     LoraserveSeries,
     VllmSeries,
 )
-from api.metrics_window import RecentStats
+from api.metrics.window import RecentStats
 from base_engine.outputs import EngineStats, RequestOutput
 
 OTHER_TENANT = "other"

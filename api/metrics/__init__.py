@@ -1,0 +1,1 @@
+"""api/metrics: see README.md."""
