@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.adapter_service import adapter_views
+from api.tenant_adapters.service import adapter_views
 from api.errors import APIError, from_registry_error
 from api.state import AppState
 from registry import fleet

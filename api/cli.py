@@ -106,7 +106,7 @@ def adapter_push(
     settings = load_settings(model=model, db=db, data_dir=data_dir, registry=registry)
     if settings.model is None and (served := last_served_model(settings.data_dir)) is not None:
         settings = settings.model_copy(update={"model": Path(served)})  # what `serve` loads here
-    from api.uploads import upload_limits
+    from api.tenant_adapters.uploads import upload_limits
 
     base = load_model_config(settings.model_dir()).base_shapes()
     validate = functools.partial(

@@ -46,7 +46,7 @@ from api.tenancy.admission import Admission, InFlight, Release
 from api.tenancy.keyfiles import tenant_cache_salt
 from api.tenancy.plan_gate import PlanGate
 from api.tenancy.quotas import QuotaLimiter
-from api.uploads import UploadLimits, upload_limits
+from api.tenant_adapters.uploads import UploadLimits, upload_limits
 from base_engine.async_engine import AsyncEngine
 from base_engine.runner.device import DTYPES
 from registry.disk_cache import DiskTier

@@ -33,7 +33,7 @@ from api.fleet.replica import LoraReplica
 from api.fleet.routing import AdapterRouter, Route
 from api.http.body_limit import STREAMED_UPLOADS, read_body
 from api.settings import load_settings
-from api.uploads import upload_limits
+from api.tenant_adapters.uploads import upload_limits
 from base_engine.model.config import load_model_config
 from registry.db import make_engine, session_factory
 

@@ -1,4 +1,4 @@
-"""Adapters by reference: `POST /v1/adapters/import` (tenant) and its admin twin (api/adapter_import.py)."""
+"""Adapters by reference: `POST /v1/adapters/import` (tenant) and its admin twin (api/tenant_adapters/imports.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from api import adapter_import
+from api.tenant_adapters import imports as adapter_import
 from api.deps import AdminDep, StateDep, TenantDep
 from api.errors import ErrorResponse, responses
 

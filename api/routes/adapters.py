@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 
-from api import adapter_service
+from api.tenant_adapters import service as adapter_service
 from api.deps import SessionDep, StateDep, TenantDep
 from api.errors import responses
 from registry.adapters import MAX_VERSION

@@ -21,11 +21,11 @@ import httpx
 import openai
 import pytest
 
-from api.adapter_import import download_adapter_files, import_error
+from api.tenant_adapters.imports import download_adapter_files, import_error
 from api.errors import APIError
-from api.import_sources import check_source
+from api.tenant_adapters.import_sources import check_source
 from api.settings import Settings
-from api.uploads import UploadLimits
+from api.tenant_adapters.uploads import UploadLimits
 from registry.errors import ObjectNotFound, StoreUnavailable
 from registry.store import open_store
 from tests.api.conftest import (

@@ -1,8 +1,8 @@
 """Adapters by reference (issue 15): register an adapter from an object-store prefix, no multipart.
 
 `POST /v1/adapters/import` (tenant key) and `POST /admin/api/tenants/{id}/adapters/import` (admin key)
-take `{"name", "uri"}`; `uri` must pass api/import_sources.py (allowlist, never the registry). Then,
-like an upload (api/adapter_service.py) and under the same `max_concurrent_uploads` gate, pool and
+take `{"name", "uri"}`; `uri` must pass api/tenant_adapters/import_sources.py (allowlist, never the registry). Then,
+like an upload (api/tenant_adapters/service.py) and under the same `max_concurrent_uploads` gate, pool and
 `upload_timeout_s`, a worker of the upload pool:
 1. opens the source with the registry's store opener (connect/read timeouts, bounded attempts);
 2. reads each object's size (HEAD) and refuses one past the upload limits with 413 before
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.adapter_service import UPLOAD_RETRY_AFTER_S, _register_in_worker, run_registration, version_view
+from api.tenant_adapters.service import UPLOAD_RETRY_AFTER_S, _register_in_worker, run_registration, version_view
 from api.deps import Caller
 from api.errors import APIError, from_registry_error
-from api.import_sources import ImportSource, check_local_object, check_source
+from api.tenant_adapters.import_sources import ImportSource, check_local_object, check_source
 from api.state import AppState
-from api.uploads import MAX_CONFIG_BYTES, UploadLimits
+from api.tenant_adapters.uploads import MAX_CONFIG_BYTES, UploadLimits
 from registry.adapters import Registration
 from registry.errors import NotFound, ObjectNotFound, RegistryError
 from registry.models import TenantStatus

@@ -1,6 +1,6 @@
 """Adapter REST service functions (tenant side) and the JSON views shared with the admin API.
 
-Upload: the body is streamed into a temporary directory (api/uploads.py), then the registry
+Upload: the body is streamed into a temporary directory (api/tenant_adapters/uploads.py), then the registry
 validates it against the served base model (`adapters.validation`) *before* anything is stored and
 records a ready version; 201 is sent only then. At most `max_concurrent_uploads` uploads run at once
 (one more: 429 + Retry-After, before its body is read); validation, the object store and the database
@@ -32,7 +32,7 @@ from api.deps import Caller
 from api.errors import APIError, from_registry_error
 from api.http.blocking import UploadGate
 from api.state import AppState
-from api.uploads import receive_adapter_upload
+from api.tenant_adapters.uploads import receive_adapter_upload
 from registry.adapters import Registration, delete_adapter, get_adapter, list_adapters, register_adapter
 from registry.audit import record_audit
 from registry.errors import RegistryError

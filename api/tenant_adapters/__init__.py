@@ -1,0 +1,1 @@
+"""api/tenant_adapters: see README.md."""
