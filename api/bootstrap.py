@@ -13,7 +13,7 @@ import shlex
 
 from api.demo import ensure_demo_tenant
 from api.demo_traits import TRAITS
-from api.fleet_start import check_fleet_schema, check_fleet_settings, fleet_server_secret
+from api.fleet.start import check_fleet_schema, check_fleet_settings, fleet_server_secret
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.provenance import server_provenance
 from api.metering.service import install as install_metering

@@ -142,7 +142,7 @@ def serve(
         _serve_on_ray(load_settings(**options), num_replicas)
         return
     settings = load_settings(**options)
-    from api.fleet_start import FleetStartError, check_fleet_settings
+    from api.fleet.start import FleetStartError, check_fleet_settings
 
     try:
         check_fleet_settings(settings)  # before any model is fetched or any file written

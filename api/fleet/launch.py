@@ -1,6 +1,6 @@
 """`loraserve serve --replicas N` (N > 1, or `--ray`): a local Ray cluster running the fleet app.
 
-This is one deploy: the launcher checks the fleet's requirements (api/fleet_start.py: PostgreSQL, S3, a
+This is one deploy: the launcher checks the fleet's requirements (api/fleet/start.py: PostgreSQL, S3, a
 provided `LORASERVE_ADMIN_KEY`), applies migrations once (replicas never migrate), makes the model
 once in the shared data dir, then starts Ray with this machine's CPUs, deploys
 `api.fleet.ray_app:build_app` on --host/--port and waits for SIGINT/SIGTERM. On a real
@@ -25,8 +25,8 @@ APP_NAME = "loraserve"
 
 
 def fleet_problems(settings: Settings) -> list[str]:
-    """What keeps `settings` from deploying a fleet (api/fleet_start.py's rules), each with its fix."""
-    from api.fleet_start import fleet_problems as replica_problems
+    """What keeps `settings` from deploying a fleet (api/fleet/start.py's rules), each with its fix."""
+    from api.fleet.start import fleet_problems as replica_problems
 
     return replica_problems(settings.model_copy(update={"fleet": True}))
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from api import admin_service as svc
+from api.admin import service as svc
 from api.deps import AdminDep, SessionDep, StateDep
 from api.errors import responses
 from api.fleet import views

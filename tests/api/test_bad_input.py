@@ -205,7 +205,7 @@ def test_redact_removes_paths_urls_and_ids() -> None:
 
 
 def test_console_quota_form_refuses_what_the_columns_cannot_hold() -> None:
-    from api.console.service import parse_quotas
+    from api.admin.console.service import parse_quotas
     from api.errors import APIError
     from registry.types import TenantQuotas
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
-from api.console import AlarmConfig, GoodputWindow, Slo
+from api.admin.console import AlarmConfig, GoodputWindow, Slo
 from api.state import AppState
 from registry.usage import UsageRecord, write_usage
 from tests.api.console_helpers import (

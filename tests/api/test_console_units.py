@@ -10,12 +10,12 @@ from datetime import UTC, date, datetime
 
 import pytest
 
-from api.console.alarms import AlarmConfig, evaluate, goodput_alarm, hit_rate_alarm, preemption_alarm
-from api.console.core import human_bytes, percent, seconds
-from api.console.data import DateRange
-from api.console.goodput import GoodputSnapshot, GoodputWindow, Slo
-from api.console.service import parse_quotas
-from api.console.sessions import SessionStore
+from api.admin.console.alarms import AlarmConfig, evaluate, goodput_alarm, hit_rate_alarm, preemption_alarm
+from api.admin.console.core import human_bytes, percent, seconds
+from api.admin.console.data import DateRange
+from api.admin.console.goodput import GoodputSnapshot, GoodputWindow, Slo
+from api.admin.console.service import parse_quotas
+from api.admin.console.sessions import SessionStore
 from api.errors import APIError
 from base_engine.outputs import RequestMetrics, RequestOutput
 from registry.types import TenantQuotas

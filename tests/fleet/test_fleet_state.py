@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from api.console.sessions import COOKIE_NAME
+from api.admin.console.sessions import COOKIE_NAME
 from tests.api.conftest import (
     ADMIN_KEY,
     LORASERVE,

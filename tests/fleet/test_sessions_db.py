@@ -1,4 +1,4 @@
-"""Console sessions in the database (api/console/sessions_db.py): shared, hashed, expiring as in memory."""
+"""Console sessions in the database (api/admin/console/sessions_db.py): shared, hashed, expiring as in memory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.console.sessions_db import DbSessionStore, hash_session_id
+from api.admin.console.sessions_db import DbSessionStore, hash_session_id
 from registry.fleet_state_models import ConsoleSessionRow
 
 

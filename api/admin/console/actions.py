@@ -13,11 +13,11 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from api import admin_service as svc
-from api.console.auth import CsrfDep, clear_session_cookie
-from api.console.core import ConsoleDep
-from api.console.service import QUOTA_FIELDS, delete_adapter_version, parse_quotas
-from api.console.sessions import ConsoleSession
+from api.admin import service as svc
+from api.admin.console.auth import CsrfDep, clear_session_cookie
+from api.admin.console.core import ConsoleDep
+from api.admin.console.service import QUOTA_FIELDS, delete_adapter_version, parse_quotas
+from api.admin.console.sessions import ConsoleSession
 from api.deps import SessionDep, StateDep
 from api.errors import APIError
 from registry.models import TenantStatus

@@ -5,7 +5,7 @@ Follows the OWASP Session Management and CSRF Prevention cheat sheets: the cooki
 token (synchronizer-token pattern) and flash messages stay in server memory. A new id is issued at
 every login (no fixation) and dropped at logout. Sessions end after `idle_s` without a request or
 `max_age_s` in all; a server restart ends them all (operators log in again). A fleet keeps them in
-the database instead (api/console/sessions_db.py: any replica serves them, restarts keep them).
+the database instead (api/admin/console/sessions_db.py: any replica serves them, restarts keep them).
 """
 
 from __future__ import annotations

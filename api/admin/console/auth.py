@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 from fastapi import Depends, Request
 from fastapi.responses import Response
 
-from api.console.core import ConsoleDep
-from api.console.sessions import COOKIE_NAME, COOKIE_PATH, ConsoleSession
+from api.admin.console.core import ConsoleDep
+from api.admin.console.sessions import COOKIE_NAME, COOKIE_PATH, ConsoleSession
 from api.errors import APIError
 from api.state import AppState
 

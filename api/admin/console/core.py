@@ -15,9 +15,9 @@ from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
-from api.console.alarms import AlarmConfig
-from api.console.goodput import GoodputWindow
-from api.console.sessions import ConsoleSession, SessionStore
+from api.admin.console.alarms import AlarmConfig
+from api.admin.console.goodput import GoodputWindow
+from api.admin.console.sessions import ConsoleSession, SessionStore
 
 HERE = Path(__file__).parent
 SECURITY_HEADERS = {

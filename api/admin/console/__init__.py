@@ -12,12 +12,12 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import RedirectResponse, Response
 
-from api.console import actions, pages
-from api.console.alarms import AlarmConfig
-from api.console.auth import LoginRequired
-from api.console.core import Console
-from api.console.goodput import GoodputWindow, Slo
-from api.console.sessions_db import open_session_store
+from api.admin.console import actions, pages
+from api.admin.console.alarms import AlarmConfig
+from api.admin.console.auth import LoginRequired
+from api.admin.console.core import Console
+from api.admin.console.goodput import GoodputWindow, Slo
+from api.admin.console.sessions_db import open_session_store
 from api.state import AppState
 
 router = APIRouter(tags=["console"], include_in_schema=False)

@@ -1,4 +1,4 @@
-"""Console sessions of a fleet: the same sessions as api/console/sessions.py, kept in the database.
+"""Console sessions of a fleet: the same sessions as api/admin/console/sessions.py, kept in the database.
 
 Any replica serves a login made through another, and a replica's restart keeps it. The table holds
 only the sha256 of the cookie's id (a database reader cannot sign in with what it reads) next to the
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.console.sessions import ConsoleSession, SessionStore
+from api.admin.console.sessions import ConsoleSession, SessionStore
 from registry.fleet_state_models import ConsoleSessionRow
 
 

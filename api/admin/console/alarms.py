@@ -6,7 +6,7 @@ Three alarms, each a pure function of the last minutes of samples so it can be t
 - prefix-cache hit rate dropping sharply: the last minute's mean hit rate fell below
   `(1 - hit_rate_drop)` x the mean of the five minutes before, from a baseline worth protecting;
 - goodput under the SLO: fewer than `min_goodput` of the requests judged in the last minute met the
-  latency SLO (api/console/goodput.py).
+  latency SLO (api/admin/console/goodput.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from api.console.goodput import GoodputSnapshot
+from api.admin.console.goodput import GoodputSnapshot
 
 
 @dataclass(frozen=True, slots=True)

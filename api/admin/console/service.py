@@ -1,4 +1,4 @@
-"""State-changing console operations that the admin REST service (api/admin_service.py) lacks.
+"""State-changing console operations that the admin REST service (api/admin/service.py) lacks.
 
 Deleting another tenant's adapter is an operator action: it soft-deletes the version in the
 registry (it stops resolving at once, so it is never served again), drops an operator pin so the
@@ -11,7 +11,7 @@ import logging
 
 from sqlalchemy.orm import Session
 
-from api.admin_service import delete_adapter_versions
+from api.admin.service import delete_adapter_versions
 from api.errors import APIError
 from api.state import AppState
 from registry.types import QUOTA_MAX, TenantQuotas
@@ -42,6 +42,6 @@ async def delete_adapter_version(
     state: AppState, session: Session, *, tenant_id: str, name: str, version: int
 ) -> str:
     """Soft-delete `name@version` of the tenant, unpin it (on every replica of a fleet); returns its
-    id ("name@version"). The admin REST route does the same (api/admin_service.py)."""
+    id ("name@version"). The admin REST route does the same (api/admin/service.py)."""
     await delete_adapter_versions(state, session, tenant_id=tenant_id, name=name, version=version)
     return f"{name}@{version}"

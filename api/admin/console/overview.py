@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from api.console.alarms import AlarmConfig, evaluate
-from api.console.goodput import GoodputWindow
+from api.admin.console.alarms import AlarmConfig, evaluate
+from api.admin.console.goodput import GoodputWindow
 from api.state import AppState
 from base_engine.outputs import EngineStats
 

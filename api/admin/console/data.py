@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from api.admin_service import audit_view, key_view, tenant_view
+from api.admin.service import audit_view, key_view, tenant_view
 from api.routes.usage import COLUMNS, admin_summary
 from api.state import AppState
 from registry.adapters import list_adapters
@@ -77,7 +77,7 @@ def summary(
 
 @dataclass(frozen=True, slots=True)
 class TenantRow:
-    tenant: dict[str, Any]  # api.admin_service.tenant_view
+    tenant: dict[str, Any]  # api.admin.service.tenant_view
     num_active_keys: int
     usage: UsageGroup  # this period
 

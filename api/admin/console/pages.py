@@ -1,4 +1,4 @@
-"""Console pages (GET) plus login and logout: thin routes over api/console/data.py and overview.py."""
+"""Console pages (GET) plus login and logout: thin routes over api/admin/console/data.py and overview.py."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from api.console import data
-from api.console.auth import LoginDep, check_admin_key, safe_next, set_session_cookie
-from api.console.core import HERE, ConsoleDep
-from api.console.overview import overview
-from api.console.sessions import COOKIE_NAME
+from api.admin.console import data
+from api.admin.console.auth import LoginDep, check_admin_key, safe_next, set_session_cookie
+from api.admin.console.core import HERE, ConsoleDep
+from api.admin.console.overview import overview
+from api.admin.console.sessions import COOKIE_NAME
 from api.deps import SessionDep, StateDep
 from api.errors import APIError, from_registry_error
 from api.fleet.views import fleet_view

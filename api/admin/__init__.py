@@ -1,0 +1,1 @@
+"""api/admin: see README.md."""
