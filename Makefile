@@ -66,6 +66,6 @@ peer-setup: $(PEER)/.installed
 peer-bench: setup peer-setup
 	$(BIN)/python benchmarks/peer_vllm.py
 
-# Retrain the demo tenant's adapters (api/demo_adapters/) for the default model, on CPU.
+# Retrain the demo tenant's adapters (api/demo/adapters/) for the default model, on CPU.
 demo-adapters: setup
 	$(BIN)/python scripts/train_demo_adapters.py

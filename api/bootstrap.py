@@ -1,7 +1,7 @@
 """Start-up: from `Settings` to a ready `AppState` (database migrated, store checked, engine loaded).
 
 Order matters for a fresh machine: data dir -> migrations on `--db` -> object store -> disk tier ->
-model (downloaded / converted / made on first use: api/model_source.py) -> secrets -> engine -> demo
+model (downloaded / converted / made on first use: api/checkpoints/sources.py) -> secrets -> engine -> demo
 tenant. Also the start-up banner: base URL, keys and a ready-to-paste curl line.
 """
 
@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import shlex
+from pathlib import Path
 
-from api.demo import ensure_demo_tenant
-from api.demo_traits import TRAITS
+from api.checkpoints.sources import record_served_model, resolve_model_dir
+from api.demo.tenant import ensure_demo_checkpoint, ensure_demo_tenant
+from api.demo.traits import TRAITS
 from api.fleet.start import check_fleet_schema, check_fleet_settings, fleet_server_secret
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.provenance import server_provenance
 from api.metering.service import install as install_metering
-from api.model_source import record_served_model
 from api.settings import Settings
 from api.state import AppState
 from api.tenancy.admission import Admission
@@ -38,6 +39,14 @@ from registry.disk_cache import DiskTier
 from registry.store import open_store
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_model(settings: Settings) -> Path:
+    """The checkpoint directory `--model` names, made on first use: downloaded, converted from GGUF,
+    or the random demo model written into the data dir."""
+    if settings.is_random_demo:
+        return ensure_demo_checkpoint(settings.demo_model_dir)
+    return resolve_model_dir(settings.model_source, models_dir=settings.models_path)
 
 
 def build_state(settings: Settings) -> AppState:
@@ -64,7 +73,7 @@ def build_state(settings: Settings) -> AppState:
     store.check()
     disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
     adapter_fetch = AdapterFetch(disk)
-    model_dir = settings.model_dir()
+    model_dir = resolve_model(settings)
     record_served_model(data_dir, settings.model_source)
     if settings.admin_key is not None:
         admin_key, admin_created = settings.admin_key.get_secret_value(), False

@@ -95,7 +95,7 @@ def adapter_push(
     import functools
 
     from adapters.validation import validate_adapter
-    from api.model_source import last_served_model
+    from api.checkpoints.sources import last_served_model
     from base_engine.model.config import load_model_config
     from base_engine.runner.device import DTYPES
     from registry.adapters import register_adapter_version
@@ -106,9 +106,10 @@ def adapter_push(
     settings = load_settings(model=model, db=db, data_dir=data_dir, registry=registry)
     if settings.model is None and (served := last_served_model(settings.data_dir)) is not None:
         settings = settings.model_copy(update={"model": Path(served)})  # what `serve` loads here
+    from api.bootstrap import resolve_model
     from api.tenant_adapters.uploads import upload_limits
 
-    base = load_model_config(settings.model_dir()).base_shapes()
+    base = load_model_config(resolve_model(settings)).base_shapes()
     validate = functools.partial(
         validate_adapter,
         base=base,

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from api.model_source import ModelSource, classify, resolve_model_dir
+from api.checkpoints.sources import ModelSource, classify
 from base_engine.engine_config import EngineConfig
 
 
@@ -22,7 +22,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LORASERVE_", extra="forbid")
 
     # Where things live.
-    # A checkpoint dir, a .gguf file, or a name (api/model_source.py): None = SmolLM2-135M-Instruct,
+    # A checkpoint dir, a .gguf file, or a name (api/checkpoints/sources.py): None = SmolLM2-135M-Instruct,
     # "random-demo" = the tiny random-weight demo checkpoint in the data dir (tests).
     model: Path | None = None
     served_model_name: str | None = None  # None = the model's own name (model_source.classify)
@@ -138,10 +138,6 @@ class Settings(BaseSettings):
     @property
     def models_path(self) -> Path:
         return self.models_dir if self.models_dir is not None else self.data_dir / "models"
-
-    def model_dir(self) -> Path:
-        """The checkpoint directory to load; downloads or converts on first use (api/model_source.py)."""
-        return resolve_model_dir(self.model_source, data_dir=self.data_dir, models_dir=self.models_path)
 
     @property
     def replica_name(self) -> str:

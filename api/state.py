@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from adapters.types import AdapterSummary, BaseModelShapes
 from adapters.validation import validate_adapter
 from api.context import RequestContext, Usage
+from api.demo.tenant import DemoInfo
 from api.http.blocking import BlockingPools, Probe, UploadGate
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.sampling import SeedSource
@@ -57,13 +58,6 @@ from registry.types import AdapterVersionInfo, TenantQuotas
 logger = logging.getLogger(__name__)
 
 AdmissionCheck = Callable[[RequestContext], Release | None]
-
-
-@dataclass(frozen=True, slots=True)
-class DemoInfo:
-    tenant_name: str
-    api_key: str
-    adapter_names: tuple[str, ...]
 
 
 @dataclass

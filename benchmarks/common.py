@@ -51,7 +51,7 @@ def bench_model(name: str, root: Path) -> Path:
     if name == "bench-small":
         return bench_small(root)
     if name == "smollm2":
-        from api.model_source import ensure_default_model
+        from api.checkpoints.sources import ensure_default_model
 
         return ensure_default_model(ROOT / "loraserve-data" / "models")
     raise ValueError(f"unknown benchmark model {name!r}; expected one of {MODELS}")

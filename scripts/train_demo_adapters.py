@@ -3,7 +3,7 @@
     .venv/bin/python scripts/train_demo_adapters.py            # all traits -> api/demo_adapters/
     .venv/bin/python scripts/train_demo_adapters.py --only json --steps 60
 
-The data is made here: the base model answers `api.demo_traits.training_prompts()` greedily (through
+The data is made here: the base model answers `api.demo.traits.training_prompts()` greedily (through
 our own engine), each answer is cut to its first sentences, and each trait's rule rewrites it (ALL
 CAPS, pirate talk, a JSON object). One LoRA per trait is then trained with `peft` on those chats
 (loss on the answer tokens and the end-of-turn token only), seeded, and saved as float16
@@ -26,8 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from api.demo_traits import HELD_OUT_PROMPTS, TRAITS, first_sentences, training_prompts  # noqa: E402
-from api.model_source import DEMO_ADAPTERS_DIR, ensure_default_model  # noqa: E402
+from api.checkpoints.sources import ensure_default_model  # noqa: E402
+from api.demo.tenant import DEMO_ADAPTERS_DIR  # noqa: E402
+from api.demo.traits import HELD_OUT_PROMPTS, TRAITS, first_sentences, training_prompts  # noqa: E402
 from base_engine.llm import LLM  # noqa: E402
 from base_engine.model.tokenizer import apply_chat_template  # noqa: E402
 from base_engine.sampling_params import SamplingParams  # noqa: E402

@@ -17,9 +17,9 @@ from typing import Any
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.tenant_adapters.service import adapter_views
 from api.errors import APIError, from_registry_error
 from api.state import AppState
+from api.tenant_adapters.service import adapter_views
 from registry import fleet
 from registry.adapters import delete_adapter, list_adapters, resolve_adapter
 from registry.audit import list_audit, record_audit

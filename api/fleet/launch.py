@@ -34,12 +34,13 @@ def fleet_problems(settings: Settings) -> list[str]:
 def prepare_deploy(settings: Settings) -> dict[str, Any]:
     """Once per deploy: migrations and the model. Returns the replicas' settings as Ray args (secrets
     stay in the environment Ray's workers inherit: `LORASERVE_ADMIN_KEY`, never in args)."""
+    from api.bootstrap import resolve_model
     from api.tenancy.keyfiles import make_private_dir
     from registry.db import upgrade
 
     data_dir = make_private_dir(settings.data_dir.resolve())
     upgrade(settings.db_url)
-    model_dir = Path(settings.model_dir()).resolve()
+    model_dir = Path(resolve_model(settings)).resolve()
     args = settings.model_dump(exclude_unset=True, exclude={"admin_key", "metrics_token"})
     args.update(data_dir=str(data_dir), model=str(model_dir), served_model_name=settings.model_name)
     return {k: str(v) if isinstance(v, Path) else v for k, v in args.items()}

@@ -57,7 +57,9 @@ class Ingress:
         )
         self.replica = replica
         # The fleet's front door buffers bodies too: the same ceilings as a replica's (api/http/body_limit.py).
-        shapes = load_model_config(settings.model_dir()).base_shapes()
+        from api.bootstrap import resolve_model
+
+        shapes = load_model_config(resolve_model(settings)).base_shapes()
         self.max_upload_bytes = upload_limits(settings, shapes).body_bytes
         self.max_body_bytes = settings.max_request_body_bytes
         self.body_timeout_s = settings.request_body_timeout_s

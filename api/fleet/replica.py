@@ -51,13 +51,15 @@ class ResidentAdapter:
 def replica_settings(overrides: dict[str, Any], *, replica_id: str, rank: int) -> Settings:
     """The fleet's settings for this replica: its own data dir (journal, disk tier, uploads) under
     the shared one, and the model resolved in the shared data dir (made once by the launcher)."""
+    from api.bootstrap import resolve_model
+
     shared = load_settings(**overrides)
     return shared.model_copy(
         update={
             "fleet": True,
             "replica_id": replica_id,
             "data_dir": shared.data_dir / "replicas" / f"rank-{rank}",
-            "model": shared.model_dir(),
+            "model": resolve_model(shared),
             "served_model_name": shared.model_name,
         }
     )

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from api.model_hash import base_model_sha256
+from api.checkpoints.hashes import base_model_sha256
 from base_engine.identity import EngineIdentity
 from base_engine.invariant import INVARIANT_ATTENTION, INVARIANT_LORA_KERNEL
 from registry.provenance import UNKNOWN, Provenance

@@ -7,9 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.tenant_adapters import imports as adapter_import
 from api.deps import AdminDep, StateDep, TenantDep
 from api.errors import ErrorResponse, responses
+from api.tenant_adapters import imports as adapter_import
 
 router = APIRouter(tags=["adapters"])
 _STATUSES = {

@@ -6,9 +6,9 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 
-from api.tenant_adapters import service as adapter_service
 from api.deps import SessionDep, StateDep, TenantDep
 from api.errors import responses
+from api.tenant_adapters import service as adapter_service
 from registry.adapters import MAX_VERSION
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])

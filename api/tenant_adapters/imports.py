@@ -22,11 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.tenant_adapters.service import UPLOAD_RETRY_AFTER_S, _register_in_worker, run_registration, version_view
 from api.deps import Caller
 from api.errors import APIError, from_registry_error
-from api.tenant_adapters.import_sources import ImportSource, check_local_object, check_source
 from api.state import AppState
+from api.tenant_adapters.import_sources import ImportSource, check_local_object, check_source
+from api.tenant_adapters.service import (
+    UPLOAD_RETRY_AFTER_S,
+    _register_in_worker,
+    run_registration,
+    version_view,
+)
 from api.tenant_adapters.uploads import MAX_CONFIG_BYTES, UploadLimits
 from registry.adapters import Registration
 from registry.errors import NotFound, ObjectNotFound, RegistryError

@@ -21,10 +21,10 @@ import httpx
 import openai
 import pytest
 
-from api.tenant_adapters.imports import download_adapter_files, import_error
 from api.errors import APIError
-from api.tenant_adapters.import_sources import check_source
 from api.settings import Settings
+from api.tenant_adapters.import_sources import check_source
+from api.tenant_adapters.imports import download_adapter_files, import_error
 from api.tenant_adapters.uploads import UploadLimits
 from registry.errors import ObjectNotFound, StoreUnavailable
 from registry.store import open_store

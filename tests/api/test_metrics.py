@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.metrics.series import one_two_five_buckets
 from api.metrics.prometheus import Metrics
+from api.metrics.series import one_two_five_buckets
 from api.metrics.window import RecentStats
 from base_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 

@@ -1,4 +1,4 @@
-"""`--model` resolution (api/model_source.py) and the checkpoint's sampling defaults (api/inference/sampling.py),
+"""`--model` resolution (api/checkpoints/sources.py) and the checkpoint's sampling defaults (api/inference/sampling.py),
 without the network: conversions are stubbed where a real one would take a minute."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from api import model_source
-from api.inference.protocol import ChatCompletionRequest
-from api.inference.sampling import generation_defaults, sampling_params
-from api.model_source import (
+from api.bootstrap import resolve_model
+from api.checkpoints import sources as model_source
+from api.checkpoints.gguf import CONVERSION_VERSION, MARKER_FILE, is_converted
+from api.checkpoints.sources import (
     RANDOM_DEMO,
     SMOLLM2,
     classify,
@@ -19,8 +19,9 @@ from api.model_source import (
     last_served_model,
     record_served_model,
 )
+from api.inference.protocol import ChatCompletionRequest
+from api.inference.sampling import generation_defaults, sampling_params
 from api.settings import Settings
-from base_engine.gguf import CONVERSION_VERSION, MARKER_FILE, is_converted
 
 
 def test_classify_names_paths_and_errors(tmp_path: Path) -> None:
@@ -44,7 +45,7 @@ def test_settings_follow_the_source(tmp_path: Path) -> None:
     assert s.models_path == tmp_path / "models"
     r = Settings(model=Path(RANDOM_DEMO), data_dir=tmp_path, models_dir=tmp_path / "shared")
     assert r.is_random_demo and r.model_name == "loraserve-demo" and r.models_path == tmp_path / "shared"
-    assert (r.model_dir() / "config.json").is_file()  # the random checkpoint, made on first use
+    assert (resolve_model(r) / "config.json").is_file()  # the random checkpoint, made on first use
 
 
 def test_gguf_converted_once_and_found_by_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

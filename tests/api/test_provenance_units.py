@@ -14,14 +14,14 @@ from urllib.parse import unquote
 
 import pytest
 
-import api.model_hash
+import api.checkpoints.hashes
+from api.checkpoints.gguf import CONVERSION_VERSION, MARKER_FILE
+from api.checkpoints.hashes import CACHE_FILE, base_model_sha256
 from api.inference.protocol import ChatCompletionRequest
 from api.inference.provenance import git_sha, header_value
 from api.inference.sampling import SeedSource, request_seed, sampling_params
 from api.metering.journal import InFlightRequest, begin_line, finish_line, parse_line
-from api.model_hash import CACHE_FILE, base_model_sha256
 from api.settings import Settings
-from base_engine.gguf import CONVERSION_VERSION, MARKER_FILE
 from registry.provenance import Provenance
 from tests.api.test_provenance import parse_dictionary
 
@@ -45,7 +45,7 @@ def test_base_hash_is_cached_by_path_size_and_mtime(tmp_path: Path, monkeypatch:
     def no_hashing(path: Path, **_: object) -> str:
         raise AssertionError(f"{path.name} was hashed again")
 
-    monkeypatch.setattr(api.model_hash, "file_sha256", no_hashing)
+    monkeypatch.setattr(api.checkpoints.hashes, "file_sha256", no_hashing)
     assert base_model_sha256(model, cache_dir=data) == first  # a restart: only stat() calls
     monkeypatch.undo()
     shards[0].write_bytes(b"changed")  # new size and mtime: that file alone is hashed again

@@ -209,7 +209,7 @@ def test_restart_keeps_keys_and_applies_env_settings(demo: ServerProcess) -> Non
 
 def test_cli_tenant_create_and_adapter_push(demo: ServerProcess, tmp_path: Path) -> None:
     from adapters.testing import save_random_adapter
-    from api.demo import DEMO_CHECKPOINT
+    from api.demo.tenant import DEMO_CHECKPOINT
     from base_engine.model.config import load_model_config
 
     assert demo.proc is not None and demo.proc.poll() is not None

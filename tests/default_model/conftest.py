@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from api.model_source import ensure_default_model
+from api.checkpoints.sources import ensure_default_model
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS_DIR = ROOT / "loraserve-data" / "models"

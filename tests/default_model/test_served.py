@@ -2,7 +2,7 @@
 
 One server for the module (its models dir is the session's shared conversion). Greedy answers
 through the HTTP API equal `transformers` (+ `peft` for the adapters) token for token, and each
-adapter's trait holds on >= 8 of the 10 held-out prompts (api/demo_traits.py).
+adapter's trait holds on >= 8 of the 10 held-out prompts (api/demo/traits.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import httpx
 import pytest
 import torch
 
-from api.demo_traits import HELD_OUT_PROMPTS, TRAITS
-from api.model_source import DEMO_ADAPTERS_DIR, SMOLLM2
+from api.checkpoints.sources import SMOLLM2
+from api.demo.tenant import DEMO_ADAPTERS_DIR
+from api.demo.traits import HELD_OUT_PROMPTS, TRAITS
 from tests.api.conftest import ServerProcess
 
 BASE = SMOLLM2.served_name

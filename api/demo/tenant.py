@@ -4,8 +4,8 @@ Created once in the data directory when `loraserve serve` runs without `--model`
 SmolLM2-135M-Instruct) or with `--model random-demo`, then reused: the demo tenant's key is kept in
 `<data_dir>/demo-tenant.key` (0600) so the printed curl line works after restarts.
 
-- Default model: the trained adapters shipped in `api/demo_adapters/` (one per trait of
-  `api.demo_traits.TRAITS`: ALL CAPS, pirate, JSON; made by scripts/train_demo_adapters.py).
+- Default model: the trained adapters shipped in `api/demo/adapters/` (one per trait of
+  `api.demo.traits.TRAITS`: ALL CAPS, pirate, JSON; made by scripts/train_demo_adapters.py).
 - `random-demo`: a random-weight Llama checkpoint in `<data_dir>/demo-model` and two adapters of
   random LoRA factors in PEFT's on-disk format (`adapters.testing.save_random_adapter`), for tests.
   The weights are random: outputs are gibberish.
@@ -17,15 +17,14 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from adapters.testing import save_random_adapter
 from adapters.types import AdapterSummary, BaseModelShapes
-from api.demo_traits import TRAITS
-from api.model_source import DEMO_ADAPTERS_DIR
-from api.state import DemoInfo
+from api.demo.traits import TRAITS
 from api.tenancy.keyfiles import DEMO_KEY_FILE, read_secret, replace_secret
 from base_engine.testing.checkpoint import save_random_checkpoint
 from registry.adapters import list_adapters, register_adapter_version
@@ -52,6 +51,19 @@ DEMO_CHECKPOINT = {
     "vocab_size": 512,
     "max_position_embeddings": 4096,
 }
+
+
+# The trained adapters of the default model, one directory per trait (scripts/train_demo_adapters.py).
+DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoInfo:
+    """What `serve` prints for the demo tenant: its name, key and adapters."""
+
+    tenant_name: str
+    api_key: str
+    adapter_names: tuple[str, ...]
 
 
 def ensure_demo_checkpoint(model_dir: Path) -> Path:

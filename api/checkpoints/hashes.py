@@ -2,8 +2,8 @@
 
 What is hashed:
 - a checkpoint converted from a GGUF file (the default SmolLM2 model, any `--model x.gguf`): the GGUF
-  file's SHA-256, which the conversion already computed and recorded (api/model_source.py,
-  base_engine/gguf.py); the conversion itself is a function of the file and the loraserve build;
+  file's SHA-256, which the conversion already computed and recorded (api/checkpoints/sources.py,
+  api/checkpoints/gguf.py); the conversion itself is a function of the file and the loraserve build;
 - any other checkpoint: the SHA-256 of the `sha256sum` listing of the safetensors files the engine
   loads (the shards of `model.safetensors.index.json`, else `model.safetensors`, else every
   `*.safetensors`), in byte order of their names. Reproduce it with
@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from base_engine.gguf import MARKER_FILE, file_sha256, is_converted
+from api.checkpoints.gguf import MARKER_FILE, file_sha256, is_converted
 from registry.provenance import UNKNOWN
 
 logger = logging.getLogger(__name__)

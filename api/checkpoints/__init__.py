@@ -1,0 +1,1 @@
+"""api/checkpoints: see README.md."""

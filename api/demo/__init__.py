@@ -1,0 +1,1 @@
+"""api/demo: see README.md."""
