@@ -86,7 +86,7 @@ def run(app: FastAPI, state: AppState) -> None:
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
         http=protocol_class(settings.request_header_timeout_s),  # slow headers: api/http/header_timeout.py
-        # Our own logging configuration (api/cli_options.py) stays in place.
+        # Our own logging configuration (api/cli/options.py) stays in place.
         log_config=None,
     )
     DrainingServer(config, state).run()

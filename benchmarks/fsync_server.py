@@ -42,7 +42,7 @@ def _dump():
         json.dump(_stats, f)
 atexit.register(_dump)
 sys.argv = ["loraserve", "serve", *sys.argv[1:]]
-from api.cli import main
+from api.cli.main import main
 main()
 """
 

@@ -4,7 +4,7 @@
 
 Starts two real `loraserve serve` processes on the same small random model: "plain", and "slow",
 whose `os.fsync` sleeps `--fsync-delay-s` (0.2 s) before syncing. The delay is injected at process
-level by the launcher (`python -c` replacing `os.fsync`, then `api.cli.main()`), with no hook in
+level by the launcher (`python -c` replacing `os.fsync`, then `api.cli.main.main()`), with no hook in
 library code; the plain server runs the same launcher with a delay of 0, so both differ only there.
 (SQLite's own fsyncs, in C, are not slowed: the injection covers the usage journal, api/metering/meter.py.)
 

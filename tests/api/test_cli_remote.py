@@ -11,7 +11,7 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
+from api.cli.main import app
 from tests.api.conftest import Server
 from tests.api.uploads import peft_adapter
 

@@ -52,7 +52,7 @@ def test_serve_with_cuda_refuses_before_starting(tiny_llama_dir, tmp_path) -> No
     import subprocess
     import sys
 
-    code = "from api.cli import main; main()"
+    code = "from api.cli.main import main; main()"
     cmd = [sys.executable, "-c", code, "serve", "--model", str(tiny_llama_dir), "--data-dir", str(tmp_path),
            "--device", "cuda", "--dtype", "bfloat16", "--port", "1"]  # fmt: skip
     env = {**os.environ, "COLUMNS": "400"}  # one line, so the message is not wrapped

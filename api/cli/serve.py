@@ -2,7 +2,7 @@
 start-up: fleet checks, device check, model source, state, and the server; or, with `--replicas N`
 / `--ray`, the fleet on a local Ray Serve (api/fleet/launch.py).
 
-Separate from api/cli.py (the command groups and the commands that work on the database directly)
+Separate from api/cli/main.py (the command groups and the commands that work on the database directly)
 because `serve` alone has some thirty options.
 """
 
@@ -13,8 +13,8 @@ from typing import Annotated
 
 import typer
 
-from api.cli_options import DataDirOpt, DbOpt, ModelOpt, RegistryOpt, setup_logging
-from api.cli_options import settings_default as _default
+from api.cli.options import DataDirOpt, DbOpt, ModelOpt, RegistryOpt, setup_logging
+from api.cli.options import settings_default as _default
 from api.settings import Settings, load_settings
 
 

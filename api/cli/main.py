@@ -1,5 +1,5 @@
 """`loraserve` command line: serve, db upgrade, tenant create, adapter push; and over HTTP against a
-running server (api/remote_cli.py): tenant list|delete, key create|list|revoke, adapter list|delete,
+running server (api/cli/remote.py): tenant list|delete, key create|list|revoke, adapter list|delete,
 adapter push --url.
 
 Options override `LORASERVE_*` environment variables (api/settings.py); `serve`, `db upgrade`, `tenant
@@ -15,9 +15,9 @@ from typing import Annotated
 
 import typer
 
-from api import remote_cli
-from api.cli_options import DataDirOpt, DbOpt, ModelOpt, RegistryOpt, setup_logging
-from api.serve_cli import serve
+from api.cli import remote as remote_cli
+from api.cli.options import DataDirOpt, DbOpt, ModelOpt, RegistryOpt, setup_logging
+from api.cli.serve import serve
 from api.settings import Settings, load_settings
 
 _PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}  # Rich markup would eat "[default: ...]"
@@ -30,7 +30,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
 app.add_typer(adapter_app, name="adapter")
-app.command()(serve)  # api/serve_cli.py
+app.command()(serve)  # api/cli/serve.py
 
 
 @db_app.command("upgrade")

@@ -1,7 +1,7 @@
-"""Options shared by several `loraserve` commands (api/cli.py, api/serve_cli.py), and the help suffix
+"""Options shared by several `loraserve` commands (api/cli/main.py, api/cli/serve.py), and the help suffix
 that shows a `Settings` field's default.
 
-Separate so that `serve` (api/serve_cli.py) and the other commands (api/cli.py) declare the same
+Separate so that `serve` (api/cli/serve.py) and the other commands (api/cli/main.py) declare the same
 `--model`, `--data-dir`, `--db` and `--registry` without importing each other.
 """
 

@@ -1,0 +1,1 @@
+"""api/cli: see README.md."""
