@@ -60,10 +60,12 @@ class Settings(BaseSettings):
     # (api/http/header_timeout.py: partial headers -> 408, an idle connection is closed).
     request_header_timeout_s: float = Field(20.0, gt=0)
     # Whole multipart body of an adapter upload; None = derived from the base model (the largest legal
-    # adapter: seven projections, every layer, max_lora_rank, fp32; api/tenant_adapters/uploads.py `upload_limits`).
+    # adapter: seven projections, every layer, max_lora_rank, fp32; api/tenant_adapters/uploads.py
+    # `upload_limits`).
     max_upload_bytes: int | None = Field(None, ge=1)
     max_concurrent_uploads: int = Field(4, ge=1)  # received + validated + stored at once; more -> 429
-    # Requests of one tenant planned (tokenized) at once in this process; more wait (api/tenancy/plan_gate.py).
+    # Requests of one tenant planned (tokenized) at once in this process; more wait
+    # (api/tenancy/plan_gate.py).
     max_concurrent_plans_per_tenant: int = Field(4, ge=1)
     upload_timeout_s: float = Field(120.0, gt=0)  # validate + store + record one upload, else 504
     disk_cache_bytes: int = Field(4 << 30, ge=1)  # local adapter tier (registry.disk_cache.DiskTier)

@@ -87,7 +87,8 @@ class AppState:
     admin_key_created: bool = False
     adapter_fetch: AdapterFetch | None = None  # the engine's fetch; knows store outages (503)
     fleet_agent: Any = None  # issue 16: api.fleet.agent.ReplicaAgent in fleet mode (started by the lifespan)
-    # Issue 18: the process-wide half of every answer's provenance (api/inference/provenance.py), read at start-up.
+    # Issue 18: the process-wide half of every answer's provenance (api/inference/provenance.py), read at
+    # start-up.
     provenance: Provenance | None = None
     # Issue 13, built in __post_init__: own thread pools, the upload bound and limits, /ready probes.
     pools: BlockingPools = field(init=False)

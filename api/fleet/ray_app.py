@@ -56,7 +56,8 @@ class Ingress:
             session_factory(engine), base_model=settings.model_name, affinity=affinity
         )
         self.replica = replica
-        # The fleet's front door buffers bodies too: the same ceilings as a replica's (api/http/body_limit.py).
+        # The fleet's front door buffers bodies too: the same ceilings as a replica's
+        # (api/http/body_limit.py).
         from api.bootstrap import resolve_model
 
         shapes = load_model_config(resolve_model(settings)).base_shapes()

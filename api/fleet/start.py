@@ -74,5 +74,6 @@ def check_fleet_schema(settings: Settings) -> None:
 
 def fleet_server_secret(admin_key: str) -> str:
     """The prefix-cache salt secret of a fleet: derived from the provided admin key, so every replica
-    has the same one without a file per replica (api/tenancy/keyfiles.py keeps it in the data dir otherwise)."""
+    has the same one without a file per replica (api/tenancy/keyfiles.py keeps it in the data dir
+    otherwise)."""
     return hmac.new(admin_key.encode(), b"loraserve server secret", hashlib.sha256).hexdigest()

@@ -12,7 +12,8 @@ as it likes). The body is buffered here and handed to the app unchanged; message
 client's disconnect) pass through, so disconnect detection works as before.
 
 Adapter uploads (`POST /v1/adapters`) stream their multipart body to disk under their own, larger
-limit (api/tenant_adapters/uploads.py) and are left alone. The default (`max_request_body_bytes`, 8 MiB) admits any
+limit (api/tenant_adapters/uploads.py) and are left alone. The default (`max_request_body_bytes`, 8 MiB)
+admits any
 legal request at the longest context (a 128k-token prompt is about 1 MB as text or as token ids).
 """
 

@@ -32,7 +32,8 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 def finish_reason(reason: str | None) -> str | None:
-    # "abort" and "error" never reach a successful response (api/inference/responses.py turns them into errors).
+    # "abort" and "error" never reach a successful response (api/inference/responses.py turns them into
+    # errors).
     return reason if reason in (None, "stop", "length", "tool_calls") else "stop"
 
 

@@ -212,7 +212,8 @@ def sampling_params(
 
     `defaults`: the checkpoint's sampling defaults (`generation_defaults`) for fields the body omits.
 
-    `constraint`: this choice's own grammar matcher (api/inference/structured_outputs.py); `keep_special_tokens`:
+    `constraint`: this choice's own grammar matcher (api/inference/structured_outputs.py);
+    `keep_special_tokens`:
     the text keeps special tokens (a tool-call marker that is one), whatever the request asked."""
     options: dict[str, Any] = {
         "max_tokens": _max_tokens(body, num_prompt, max_model_len),

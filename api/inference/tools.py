@@ -225,7 +225,8 @@ def forced_call_grammar(plan: ToolPlan, tokenizer: Any) -> str | None:
     return f"start: obj{repeat}\nobj: {lark_json(one)}\n"
 
 
-# ---- the finished message (parsing itself: api/inference/tool_parser.py) --------------------------------------
+# ---- the finished message (parsing itself: api/inference/tool_parser.py)
+# --------------------------------------
 
 
 def message_fields(plan: ToolPlan | None, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:

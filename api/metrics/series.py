@@ -5,7 +5,8 @@ Names, types and buckets follow vLLM's V1 engine (`vllm-project/vllm docs/design
 dashboards work: every vLLM metric carries a `model_name` label with the served base model's name.
 The `loraserve_*` series cover the adapter cache and, in a registry of their own, tenants.
 
-Separate from api/metrics/prometheus.py, which decides what to count when (requests finish, engine stats arrive)
+Separate from api/metrics/prometheus.py, which decides what to count when (requests finish, engine stats
+arrive)
 and renders: this is the catalogue, long and declarative, that dashboards depend on.
 
 No `*_created` series: vLLM's dashboards never read them and they double a scrape's series

@@ -1,4 +1,5 @@
-"""Adapters by reference: `POST /v1/adapters/import` (tenant) and its admin twin (api/tenant_adapters/imports.py)."""
+"""Adapters by reference: `POST /v1/adapters/import` (tenant) and its admin twin
+(api/tenant_adapters/imports.py)."""
 
 from __future__ import annotations
 

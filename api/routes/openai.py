@@ -15,7 +15,8 @@ from api.state import AppState
 from registry.adapters import list_adapters
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-# 200: the answer (JSON, or an SSE stream), with its request id and provenance headers (api/inference/provenance.py).
+# 200: the answer (JSON, or an SSE stream), with its request id and provenance headers
+# (api/inference/provenance.py).
 _ANSWER = {200: {"description": "The completion, or its SSE stream", "headers": OPENAPI_HEADERS}}
 
 

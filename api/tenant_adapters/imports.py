@@ -1,7 +1,8 @@
 """Adapters by reference (issue 15): register an adapter from an object-store prefix, no multipart.
 
 `POST /v1/adapters/import` (tenant key) and `POST /admin/api/tenants/{id}/adapters/import` (admin key)
-take `{"name", "uri"}`; `uri` must pass api/tenant_adapters/import_sources.py (allowlist, never the registry). Then,
+take `{"name", "uri"}`; `uri` must pass api/tenant_adapters/import_sources.py (allowlist, never the
+registry). Then,
 like an upload (api/tenant_adapters/service.py) and under the same `max_concurrent_uploads` gate, pool and
 `upload_timeout_s`, a worker of the upload pool:
 1. opens the source with the registry's store opener (connect/read timeouts, bounded attempts);

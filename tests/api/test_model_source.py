@@ -1,4 +1,5 @@
-"""`--model` resolution (api/checkpoints/sources.py) and the checkpoint's sampling defaults (api/inference/sampling.py),
+"""`--model` resolution (api/checkpoints/sources.py) and the checkpoint's sampling defaults
+(api/inference/sampling.py),
 without the network: conversions are stubbed where a real one would take a minute."""
 
 from __future__ import annotations

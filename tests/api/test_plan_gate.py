@@ -1,4 +1,5 @@
-"""api/tenancy/plan_gate.py: one tenant's requests are planned (tokenized) at most `per_tenant` at a time, others'
+"""api/tenancy/plan_gate.py: one tenant's requests are planned (tokenized) at most `per_tenant` at a time,
+others'
 go on meanwhile, and nothing is kept or leaked per tenant. Then in process on the real app: a burst of
 slow-to-tokenize prompts from one tenant never has more than the bound on the tokenizer at once."""
 

@@ -1,4 +1,5 @@
-"""The fleet's quota backend (api/tenancy/quotas_db.py) decides exactly as the in-memory one (api/tenancy/quotas.py).
+"""The fleet's quota backend (api/tenancy/quotas_db.py) decides exactly as the in-memory one
+(api/tenancy/quotas.py).
 
 Same scenarios on "memory", "sqlite" and "postgresql" (a real throwaway cluster), plus a differential
 run: one seeded random sequence of admissions, releases, refunds and clock steps gives the same

@@ -1,4 +1,5 @@
-"""Console sessions in the database (api/admin/console/sessions_db.py): shared, hashed, expiring as in memory."""
+"""Console sessions in the database (api/admin/console/sessions_db.py): shared, hashed, expiring as in
+memory."""
 
 from __future__ import annotations
 
