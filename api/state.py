@@ -118,11 +118,11 @@ class AppState:
 
     @property
     def max_model_len(self) -> int:
-        return int(self.engine.engine.max_model_len)
+        return self.engine.max_model_len
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def engine_is_running(self) -> bool:
@@ -138,7 +138,7 @@ class AppState:
             base=self.base_shapes,
             max_lora_rank=self.settings.max_lora_rank,
             max_size_bytes=self.upload_limits.weights_bytes,
-            dtype=self.engine.engine.dtype if self.settings.dtype == "auto" else DTYPES[self.settings.dtype],
+            dtype=self.engine.dtype if self.settings.dtype == "auto" else DTYPES[self.settings.dtype],
         )
 
     def residency(self, info: AdapterVersionInfo) -> str:

@@ -3,6 +3,10 @@
 All engine state is touched only by the worker thread. Callers hand it commands (add, abort) through
 a queue; outputs travel back to each request's asyncio.Queue with `call_soon_threadsafe`.
 
+This is the only door into the engine for code outside `base_engine`: what the API reads of it (the
+tokenizer, limits, dtype, KV cache shape, stats) and what it asks of the adapter cache (pin, unpin,
+prefetch, evict) are methods here, run on the engine thread where they touch engine state.
+
 The engine thread never waits on I/O: finished requests go to `on_finished` observers (metering,
 metrics) on a separate dispatcher thread, which then delivers the final output, so a request's usage
 is recorded before its client sees the end. A failing command fails only its own request; a failing
@@ -20,6 +24,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import torch
 
 from adapters.types import AdapterRef
 from base_engine.engine import LLMEngine
@@ -51,6 +57,15 @@ class EngineRequest:
     adapter: AdapterRef | None = None
     tenant_id: str | None = None
     cache_salt: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheInfo:
+    """The KV cache's shape, as vLLM's `cache_config_info` metric reports it."""
+
+    block_size: int  # tokens per block
+    num_blocks: int
+    enable_prefix_caching: bool
 
 
 class AsyncEngine:
@@ -102,6 +117,39 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    # ---- what the API reads of the engine: fixed once the engine is built, safe from any thread ----
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.model_config.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.eos_token_ids
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
+
+    @property
+    def kv_cache(self) -> KvCacheInfo:
+        return KvCacheInfo(
+            block_size=self.engine.config.block_size,
+            num_blocks=self.engine.block_manager.num_blocks,
+            enable_prefix_caching=self.engine.config.enable_prefix_caching,
+        )
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.encode_prompt(prompt)
+
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -126,7 +174,7 @@ class AsyncEngine:
             if not finished:
                 self.abort(request.request_id)
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs fn(engine) on the engine thread between steps and returns its result."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
@@ -142,12 +190,44 @@ class AsyncEngine:
         self._submit(run)
         return await future
 
+    # ---- the adapter cache, on the engine thread between steps ----
+
     async def pin_adapter(self, ref: AdapterRef) -> None:
         """Operator pin: load `ref` now and keep it resident until unpinned."""
-        await self.call(lambda engine: engine.lora.pin(ref))
+        await self._call(lambda engine: engine.lora.pin(ref))
 
     async def unpin_adapter(self, ref: AdapterRef) -> None:
-        await self.call(lambda engine: engine.lora.unpin(ref))
+        await self._call(lambda engine: engine.lora.unpin(ref))
+
+    async def set_adapter_pins(self, wanted: dict[str, AdapterRef]) -> None:
+        """Pin exactly `wanted` (ref.id -> ref): unpin every other pinned adapter, pin what is missing."""
+
+        def apply(engine: LLMEngine) -> None:
+            cache = engine.lora.cache
+            for ref_id, ref in list(cache.pinned.items()):
+                if ref_id not in wanted:
+                    engine.lora.unpin(ref)
+            for ref_id, ref in wanted.items():
+                if ref_id not in cache.pinned:
+                    engine.lora.pin(ref)
+
+        await self._call(apply)
+
+    async def prefetch_adapter(self, ref: AdapterRef) -> bool:
+        """Start loading `ref` (a no-op while it loads or is resident); True once it is resident on
+        either tier or its load failed for good (the request's own admission then reports why)."""
+
+        def is_done(engine: LLMEngine) -> bool:
+            cache = engine.lora.cache
+            cache.request_load(ref)
+            return ref.id in cache.host or ref.id in cache.slot_of or ref.id in cache.loader.failed
+
+        return await self._call(is_done)
+
+    async def evict_adapters(self, ref_ids: list[str]) -> list[str]:
+        """Drop these adapters from both tiers; returns those still serving in-flight requests (their
+        slots are freed when those finish)."""
+        return await self._call(lambda engine: [r for r in ref_ids if not engine.lora.cache.evict(r)])
 
     def adapter_residency(self) -> dict[str, str]:
         """ref.id -> "gpu" | "cpu", as of the last step (absent: not loaded in this engine)."""

@@ -26,20 +26,20 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from adapters.types import AdapterRef
 from api.fleet.snapshot import replica_id_of, take_snapshot
 from api.state import AppState
-from base_engine.engine import LLMEngine
 from registry import fleet
 from registry.db import make_engine, session_factory
 from registry.fleet_models import FleetEventKind
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 HEARTBEAT_S = 1.0
 LOST_AFTER_S = 10.0  # readers show a replica silent for longer as "lost" (10 missed beats)
@@ -163,7 +163,7 @@ class ReplicaAgent:
         resident = self._resident_ids()
         evict += [r for r in resident if r.partition("/")[0] in gone_tenants]
         if evict:
-            self._on_engine(lambda engine: _evict(engine, evict))
+            self._evict(evict)
         self._reconcile_pins(session)
         self.cursor = events[-1].id
         logger.info("replica %s applied fleet events up to %d", self.replica_id, self.cursor)
@@ -173,41 +173,26 @@ class ReplicaAgent:
     def _reconcile(self, session: Session) -> None:
         stale = fleet.stale_refs(session, ref_ids=sorted(self._resident_ids()))
         if stale:
-            self._on_engine(lambda engine: _evict(engine, sorted(stale)))
+            self._evict(sorted(stale))
         self._reconcile_pins(session)
 
     def _reconcile_pins(self, session: Session) -> None:
         wanted = {info.ref_id: info.ref for info in fleet.pins_in_force(session)}
-        self._on_engine(lambda engine: _set_pins(engine, wanted))
+        self._on_engine(self.state.engine.set_adapter_pins(wanted))
 
     def _resident_ids(self) -> set[str]:
         pinned = self.state.engine.stats().adapters.get("pinned", [])
         return set(self.state.engine.adapter_residency()) | set(pinned if isinstance(pinned, list) else [])
 
-    def _on_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) on the engine thread between steps; wait at most ENGINE_CALL_TIMEOUT_S."""
-        future = asyncio.run_coroutine_threadsafe(self.state.engine.call(fn), self.loop)
-        return future.result(timeout=ENGINE_CALL_TIMEOUT_S)
-
-
-# ---- on the engine thread ---------------------------------------------------------------------
-
-
-def _evict(engine: LLMEngine, ref_ids: list[str]) -> None:
-    for ref_id in ref_ids:
-        if not engine.lora.cache.evict(ref_id):
+    def _evict(self, ref_ids: list[str]) -> None:
+        for ref_id in self._on_engine(self.state.engine.evict_adapters(ref_ids)):
             logger.info("adapter %s still serves in-flight requests: its slot is freed after them", ref_id)
 
-
-def _set_pins(engine: LLMEngine, wanted: dict[str, AdapterRef]) -> None:
-    """Pin what the fleet pins and unpin the rest (only fleet pins exist in fleet mode)."""
-    cache = engine.lora.cache
-    for ref_id, ref in list(cache.pinned.items()):
-        if ref_id not in wanted:
-            engine.lora.unpin(ref)
-    for ref_id, ref in wanted.items():
-        if ref_id not in cache.pinned:
-            engine.lora.pin(ref)
+    def _on_engine(self, call: Coroutine[Any, Any, T]) -> T:
+        """Run an engine facade call on the app's loop (the engine thread does the work between
+        steps); wait at most ENGINE_CALL_TIMEOUT_S."""
+        future = asyncio.run_coroutine_threadsafe(call, self.loop)
+        return future.result(timeout=ENGINE_CALL_TIMEOUT_S)
 
 
 def start_agent(state: AppState) -> ReplicaAgent:

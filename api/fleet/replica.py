@@ -121,14 +121,9 @@ class LoraReplica:
             return ResidentAdapter(model_id, None)  # the request's own resolution answers 404
         ref = info.ref
 
-        def is_done(engine: Any) -> bool:
-            cache = engine.lora.cache
-            cache.request_load(ref)  # no-op while loading or resident
-            return ref.id in cache.host or ref.id in cache.slot_of or ref.id in cache.loader.failed
-
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(PREFETCH_TIMEOUT_S, self.state.settings.request_timeout_s)
-        while not await self.state.engine.call(is_done) and loop.time() < deadline:
+        while not await self.state.engine.prefetch_adapter(ref) and loop.time() < deadline:
             await asyncio.sleep(0.02)
         return ResidentAdapter(model_id, info)
 

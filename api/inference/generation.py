@@ -80,7 +80,7 @@ def plan_generation(
 ) -> GenerationPlan:
     include_usage = check_stream_options(body)
     adapter = resolve_model(state, session, caller, body.model)
-    engine = state.engine.engine
+    engine = state.engine
     tools = None
     if isinstance(body, ChatCompletionRequest):
         tools = plan_tools(body, state.tokenizer)

@@ -31,7 +31,7 @@ def grammar_compiler(engine: Any) -> GrammarCompiler:
         hit = _compilers.get(id(engine))
         if hit is not None and hit[0] is engine:
             return hit[1]
-        compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+        compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
         _compilers[id(engine)] = (engine, compiler)
         return compiler
 

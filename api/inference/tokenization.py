@@ -97,7 +97,7 @@ def detokenize(
     *, state: AppState, session: Session, caller: Caller, body: DetokenizeRequest
 ) -> dict[str, Any]:
     resolve_model(state, session, caller, body.model)
-    vocab_size = state.engine.engine.model_config.vocab_size
+    vocab_size = state.engine.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]
     if bad:
         raise APIError(

@@ -66,12 +66,12 @@ def install(state: AppState) -> None:
         max_model_len=state.max_model_len,
         tenant_labels=settings.metrics_tenant_labels,
     )
-    engine = state.engine.engine
+    kv_cache = state.engine.kv_cache
     state.metrics.set_cache_config(
-        block_size=engine.config.block_size,
-        num_gpu_blocks=engine.block_manager.num_blocks,
+        block_size=kv_cache.block_size,
+        num_gpu_blocks=kv_cache.num_blocks,
         cache_dtype="auto",  # the KV cache has the model's dtype, vLLM's "auto"
-        enable_prefix_caching=engine.config.enable_prefix_caching,
+        enable_prefix_caching=kv_cache.enable_prefix_caching,
     )
     defaults = TenantQuotas(
         rpm=settings.default_rpm, tpm=settings.default_tpm, max_concurrent=settings.default_max_concurrent
