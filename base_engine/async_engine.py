@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -146,6 +147,14 @@ class AsyncEngine:
             num_blocks=self.engine.block_manager.num_blocks,
             enable_prefix_caching=self.engine.config.enable_prefix_caching,
         )
+
+    @property
+    def model_dir(self) -> Path:
+        return self.engine.model_dir
+
+    def determinism_refusal(self) -> str | None:
+        """Why this engine cannot serve a deterministic request (None: it can)."""
+        return self.engine.determinism.refusal()
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return self.engine.encode_prompt(prompt)

@@ -106,7 +106,7 @@ def plan_generation(
     )
     seed = request_seed(body, state.seeds)
     deterministic = state.settings.deterministic or bool(body.deterministic)
-    if deterministic and (reason := engine.determinism.refusal()) is not None:
+    if deterministic and (reason := engine.determinism_refusal()) is not None:
         raise APIError(400, reason, param="deterministic", code="unsupported_value")
     if state.provenance is not None:
         ctx.provenance = request_provenance(state.provenance, adapter, seed=seed, deterministic=deterministic)
