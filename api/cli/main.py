@@ -100,7 +100,7 @@ def adapter_push(
     from base_engine.runner.device import DTYPES
     from registry.adapters import register_adapter_version
     from registry.errors import RegistryError
-    from registry.store import open_store
+    from registry.stores import open_store
     from registry.tenants import get_tenant_by_name
 
     settings = load_settings(model=model, db=db, data_dir=data_dir, registry=registry)

@@ -21,7 +21,7 @@ from api.fleet.asgi_bridge import HttpRequest, ResponseStart, stream_asgi
 from api.fleet.routing import AdapterRouter, parse_model_id
 from registry.adapters import register_adapter_version
 from registry.db import make_engine, session_factory, upgrade
-from registry.store import open_store
+from registry.stores import open_store
 from registry.tenants import create_tenant
 from tests.registry.conftest import BASE_MODEL, SHAPES, write_adapter
 
