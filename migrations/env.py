@@ -1,6 +1,6 @@
 """Alembic environment: runs registry revisions against `registry.tables.metadata` (every table).
 
-The URL comes from `config.attributes["url"]` (set by `registry.db.upgrade`), else from
+The URL comes from `config.attributes["url"]` (set by `migrations.api.upgrade`), else from
 `-x url=...`, else from `sqlalchemy.url` in alembic.ini. SQLite runs in batch mode so that later
 ALTERs work there too.
 """

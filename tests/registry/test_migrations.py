@@ -11,7 +11,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
 import migrations
-from registry.db import alembic_config, current_revision, downgrade, make_engine, upgrade
+from migrations.api import alembic_config, current_revision, downgrade, upgrade
+from registry.db import make_engine
 from registry.tables import metadata
 
 TABLES = {"tenants", "api_keys", "adapter_versions", "usage_records", "audit_log"}

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from registry.db import make_engine, session_factory, upgrade
+from migrations.api import upgrade
+from registry.db import make_engine, session_factory
 from registry.usage import export_usage, write_usage
 from tests.registry.test_usage import _records
 
