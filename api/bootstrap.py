@@ -34,9 +34,10 @@ from base_engine.async_engine import AsyncEngine
 from base_engine.engine import LLMEngine
 from base_engine.identity import describe_engine
 from base_engine.model.config import load_model_config
-from registry.db import make_engine, session_factory, upgrade
+from migrations.api import upgrade
+from registry.db import make_engine, session_factory
 from registry.disk_cache import DiskTier
-from registry.store import open_store
+from registry.stores import open_store
 
 logger = logging.getLogger(__name__)
 

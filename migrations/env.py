@@ -1,6 +1,6 @@
-"""Alembic environment: runs registry revisions against `registry.models.Base.metadata`.
+"""Alembic environment: runs registry revisions against `registry.tables.metadata` (every table).
 
-The URL comes from `config.attributes["url"]` (set by `registry.db.upgrade`), else from
+The URL comes from `config.attributes["url"]` (set by `migrations.api.upgrade`), else from
 `-x url=...`, else from `sqlalchemy.url` in alembic.ini. SQLite runs in batch mode so that later
 ALTERs work there too.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 from alembic import context
 
 from registry.db import make_engine
-from registry.models import Base
+from registry.tables import metadata
 
-target_metadata = Base.metadata
+target_metadata = metadata
 
 
 def _url() -> str:

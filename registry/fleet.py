@@ -1,4 +1,4 @@
-"""Fleet membership service functions (issue 16): heartbeats, the replica list, pins, fleet events.
+"""Fleet membership service functions: heartbeats, the replica list, pins, fleet events.
 
 Every function is keyword-only and one transaction (`transactional`), like the rest of the registry.
 Admin actions that touch residency (`pin_adapter`, `unpin_adapter`, `delete_adapter`,

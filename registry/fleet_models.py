@@ -1,4 +1,4 @@
-"""Fleet membership (issue 16): replica heartbeats with their residency, operator pins, fleet events.
+"""Fleet membership: replica heartbeats with their residency, operator pins, fleet events.
 
 Three tables, one idea each:
 - `fleet_replicas`: one row per live replica, rewritten by its heartbeat (state, engine summary,

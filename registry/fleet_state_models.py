@@ -1,4 +1,4 @@
-"""Fleet-wide state (issue 16): quota counters, console sessions, usage export ordering.
+"""Fleet-wide state: quota counters, console sessions, usage export ordering.
 
 A fleet of `loraserve serve --fleet` replicas shares one PostgreSQL database, so what one process
 kept in memory lives here instead: each tenant's rate-limit buckets (one row, locked for the short

@@ -2,7 +2,9 @@
 
 Declarative `Mapped`/`mapped_column` with a naming convention, so Alembic revisions
 (migrations/versions/) name every constraint the same way on SQLite and PostgreSQL. Timestamps are
-stored in UTC and always come back timezone-aware.
+stored in UTC and always come back timezone-aware. `Base` is shared by the fleet's tables
+(fleet_models.py, fleet_state_models.py); registry/tables.py gathers every table module into one
+metadata.
 """
 
 from __future__ import annotations
@@ -166,11 +168,11 @@ class UsageRow(Base):
     total_time_s: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column()
     finished_at: Mapped[datetime] = mapped_column(index=True)
-    # What produced the answer (registry/provenance.py, issue 18); NULL = billed by an older server.
+    # What produced the answer (registry/provenance.py); NULL = billed by an older server.
     provenance: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     user: Mapped[str | None] = mapped_column(String(MAX_USER_CHARS))  # OpenAI `user`; NULL = not sent
     # PostgreSQL: the writing transaction's id (pg_current_xact_id), the commit-safe export order of
-    # registry/usage.py with several writers (issue 16); NULL on SQLite, whose one writer commits in id order.
+    # registry/usage.py with several writers; NULL on SQLite, whose one writer commits in id order.
     txid: Mapped[int | None] = mapped_column(BigInteger)
 
 
@@ -186,8 +188,3 @@ class AuditEntry(Base):
     tenant_id: Mapped[str | None] = mapped_column(String(32), index=True)
     target: Mapped[str | None] = mapped_column(String(256))
     detail: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-
-
-# Tables of the fleet (issue 16) live in their own modules on the same metadata; importing them here
-# keeps `Base.metadata` whole for Alembic and `create_all`.
-from registry import fleet_models, fleet_state_models  # noqa: E402, F401

@@ -1,4 +1,4 @@
-"""What produced an answer (issue 18), kept with its usage record so the answer can be replayed later.
+"""What produced an answer, kept with its usage record so the answer can be replayed later.
 
 The API builds one `Provenance` per request (api/inference/provenance.py) and sends it in the
 `X-Loraserve-Provenance` header; the usage record stores the same fields as one JSON object

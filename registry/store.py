@@ -1,9 +1,9 @@
-"""Content-addressed object store: one small protocol, a local-directory backend, `open_store(url)`.
+"""Content-addressed object store: one small protocol and a local-directory backend.
 
 Objects live under the sha256 of their bytes (`sha256/<hex>`), so a put is idempotent and a
 download is checked against its own key before use (../shared/reference/platform.md, section 4.2:
-"store the sha256 digest, and dedupe on it"). `file://` URLs give `LocalStore`, the embedded
-default; `s3://bucket/prefix` gives `registry.s3.S3Store`.
+"store the sha256 digest, and dedupe on it"). `LocalStore` is the embedded default; the S3 backend
+is `registry.s3.S3Store`, and `registry.stores.open_store(url)` picks one from a URL.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
-from urllib.parse import unquote, urlparse
 
 from registry.errors import HashMismatch, ObjectNotFound, StoreUnavailable
 
@@ -160,27 +159,3 @@ class LocalStore:
             # Skip in-flight temp files: they are not objects yet.
             if path.is_file() and not path.name.startswith(".") and key.startswith(prefix):
                 yield key
-
-
-def open_store(
-    url: str, *, max_attempts: int = 3, connect_timeout_s: float = 3.0, read_timeout_s: float = 20.0
-) -> ObjectStore:
-    """`file:///abs/dir` -> LocalStore, `s3://bucket/prefix` -> S3Store (boto3 resolves endpoint and
-    credentials itself: AWS_ENDPOINT_URL, profiles, env). `max_attempts` bounds S3 attempts per call,
-    the timeouts bound each attempt (registry/s3.py)."""
-    parsed = urlparse(url)
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"file:// store URL must be local (file:///path), got {url!r}")
-        return LocalStore(Path(unquote(parsed.path)))
-    if parsed.scheme == "s3":
-        from registry.s3 import S3Store  # boto3 is imported only when S3 is used
-
-        return S3Store(
-            bucket=parsed.netloc,
-            prefix=parsed.path.strip("/"),
-            max_attempts=max_attempts,
-            connect_timeout_s=connect_timeout_s,
-            read_timeout_s=read_timeout_s,
-        )
-    raise ValueError(f"store URL must start with file:// or s3://, got {url!r}")

@@ -48,7 +48,7 @@ class UsageRecord:
     created_at: datetime
     finished_at: datetime
     user: str | None = None  # the request's OpenAI `user` (the tenant's own end-user id)
-    provenance: Provenance | None = None  # what produced the answer (issue 18); None: written before it
+    provenance: Provenance | None = None  # what produced the answer; None: written before provenance was kept
 
     def __post_init__(self) -> None:
         # Read back from the JSON column or the journal as a dict: the dataclass from here on.

@@ -36,7 +36,7 @@ app.command()(serve)  # api/cli/serve.py
 @db_app.command("upgrade")
 def db_upgrade(db: DbOpt = None, data_dir: DataDirOpt = None) -> None:
     """Apply pending migrations to the database."""
-    from registry.db import upgrade
+    from migrations.api import upgrade
 
     settings = load_settings(db=db, data_dir=data_dir)
     setup_logging(settings.log_level)
@@ -45,7 +45,8 @@ def db_upgrade(db: DbOpt = None, data_dir: DataDirOpt = None) -> None:
 
 
 def _sessions(settings: Settings):  # noqa: ANN202 - a sessionmaker
-    from registry.db import make_engine, session_factory, upgrade
+    from migrations.api import upgrade
+    from registry.db import make_engine, session_factory
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.db_url)
@@ -100,7 +101,7 @@ def adapter_push(
     from base_engine.runner.device import DTYPES
     from registry.adapters import register_adapter_version
     from registry.errors import RegistryError
-    from registry.store import open_store
+    from registry.stores import open_store
     from registry.tenants import get_tenant_by_name
 
     settings = load_settings(model=model, db=db, data_dir=data_dir, registry=registry)

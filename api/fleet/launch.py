@@ -36,7 +36,7 @@ def prepare_deploy(settings: Settings) -> dict[str, Any]:
     stay in the environment Ray's workers inherit: `LORASERVE_ADMIN_KEY`, never in args)."""
     from api.bootstrap import resolve_model
     from api.tenancy.keyfiles import make_private_dir
-    from registry.db import upgrade
+    from migrations.api import upgrade
 
     data_dir = make_private_dir(settings.data_dir.resolve())
     upgrade(settings.db_url)

@@ -15,7 +15,7 @@ import hmac
 from sqlalchemy.engine import make_url
 
 from api.settings import Settings
-from registry.db import SchemaNotAtHead, check_at_head
+from migrations.api import SchemaNotAtHead, check_at_head
 
 WHY = "a fleet shares its state through PostgreSQL + S3; SQLite/local store is the single-process default"
 

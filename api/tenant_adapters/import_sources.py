@@ -38,7 +38,7 @@ class ImportSource:
 
     @property
     def uri(self) -> str:
-        """The URI `registry.store.open_store` takes."""
+        """The URI `registry.stores.open_store` takes."""
         if self.scheme == "s3":
             return f"s3://{self.bucket}/{'/'.join(self.parts)}"
         return Path("/", *self.parts).as_uri()

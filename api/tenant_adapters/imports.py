@@ -37,7 +37,8 @@ from api.tenant_adapters.uploads import MAX_CONFIG_BYTES, UploadLimits
 from registry.adapters import Registration
 from registry.errors import NotFound, ObjectNotFound, RegistryError
 from registry.models import TenantStatus
-from registry.store import ObjectStore, open_store
+from registry.store import ObjectStore
+from registry.stores import open_store
 from registry.tenants import check_name, get_tenant
 from registry.types import CONFIG_FILE, WEIGHTS_FILE
 

@@ -1,4 +1,4 @@
-"""Fleet-wide state (issue 16): quota counters, console sessions, commit-ordered usage export.
+"""Fleet-wide state: quota counters, console sessions, commit-ordered usage export.
 
 New tables `quota_buckets`, `quota_leases`, `console_sessions` (registry/fleet_state_models.py) and
 `usage_records.txid` with an index on (txid, id): the export's order on PostgreSQL (registry/usage.py).

@@ -1,4 +1,4 @@
-"""Fleet membership (issue 16): replica heartbeats and residency, operator pins, fleet events.
+"""Fleet membership: replica heartbeats and residency, operator pins, fleet events.
 
 Three new tables, nothing existing changes: `fleet_replicas` (one row per live replica, rewritten by
 its heartbeat), `fleet_pins` (operator pins as state, so a replica started later applies them) and

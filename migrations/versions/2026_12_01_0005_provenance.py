@@ -1,4 +1,4 @@
-"""usage_records.provenance (issue 18): what produced each answer, kept with its usage record.
+"""usage_records.provenance: what produced each answer, kept with its usage record.
 
 One JSON object per row (registry/provenance.py: build, base and adapter hashes, dtype, device, kernels,
 seed, the invariance flag), nullable with no default: rows billed before this revision stay valid (NULL =

@@ -27,7 +27,7 @@ from api.tenant_adapters.import_sources import check_source
 from api.tenant_adapters.imports import download_adapter_files, import_error
 from api.tenant_adapters.uploads import UploadLimits
 from registry.errors import ObjectNotFound, StoreUnavailable
-from registry.store import open_store
+from registry.stores import open_store
 from tests.api.conftest import (
     ADMIN_KEY,
     MAX_UPLOAD_BYTES,

@@ -21,7 +21,8 @@ import pytest
 from sqlalchemy.orm import Session
 
 from api.metering.meter import UsageMeter
-from registry.db import make_engine, session_factory, upgrade
+from migrations.api import upgrade
+from registry.db import make_engine, session_factory
 from registry.usage import UsageRecord, export_usage
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -22,9 +22,10 @@ from api.fleet.agent import DB_CONNECT_TIMEOUT_S, ReplicaAgent
 from api.fleet.views import merge_expositions
 from api.metrics.prometheus import Metrics
 from api.state import AppState
+from migrations.api import upgrade
 from registry import fleet
 from registry.adapters import delete_adapter
-from registry.db import make_engine, session_factory, upgrade
+from registry.db import make_engine, session_factory
 from tests.api.console_helpers import admin_api, browser, console_app, login, peft_adapter
 from tests.api.hanging_proxy import HangingProxy
 

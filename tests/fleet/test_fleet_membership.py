@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from registry.db import upgrade
+from migrations.api import upgrade
 from tests.api.conftest import (
     ADMIN_KEY,
     Server,

@@ -19,9 +19,10 @@ from adapters.validation import validate_adapter
 from api.context import assigned_request_id, new_request_id
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart, stream_asgi
 from api.fleet.routing import AdapterRouter, parse_model_id
+from migrations.api import upgrade
 from registry.adapters import register_adapter_version
-from registry.db import make_engine, session_factory, upgrade
-from registry.store import open_store
+from registry.db import make_engine, session_factory
+from registry.stores import open_store
 from registry.tenants import create_tenant
 from tests.registry.conftest import BASE_MODEL, SHAPES, write_adapter
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from registry.db import current_revision, head_revision, make_engine
+from migrations.api import current_revision, head_revision
+from registry.db import make_engine
 from tests.api.conftest import ADMIN_KEY, LORASERVE, _postgres_database, _s3_env
 from tests.fleet.upgrade_race import upgrade_racing
 

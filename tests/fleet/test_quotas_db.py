@@ -18,7 +18,8 @@ import pytest
 from api.errors import APIError
 from api.tenancy.quotas import Admission, QuotaExceededError, QuotaLimiter
 from api.tenancy.quotas_db import DbQuotaLimiter
-from registry.db import make_engine, session_factory, upgrade
+from migrations.api import upgrade
+from registry.db import make_engine, session_factory
 from registry.types import TenantQuotas
 
 MakeLimiter = Callable[..., QuotaLimiter]

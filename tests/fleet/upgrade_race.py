@@ -17,7 +17,7 @@ PAUSE_S = 3.0
 def upgrade_racing(url: str, slow: bool, midway: Any, results: Any) -> None:
     from sqlalchemy import Engine, event
 
-    from registry.db import upgrade
+    from migrations.api import upgrade
 
     if slow:
 

@@ -18,7 +18,8 @@ from sqlalchemy.orm import Session
 
 from adapters.types import AdapterSummary, BaseModelShapes
 from adapters.validation import validate_adapter
-from registry.store import ObjectStore, open_store
+from registry.store import ObjectStore
+from registry.stores import open_store
 
 SHAPES = BaseModelShapes(
     model_type="llama",

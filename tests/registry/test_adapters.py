@@ -21,7 +21,8 @@ from registry.adapters import (
 )
 from registry.errors import InvalidAdapter, InvalidName, NotFound, QuotaExceeded, StoreUnavailable
 from registry.models import AdapterVersion
-from registry.store import ObjectStore, content_key, open_store
+from registry.store import ObjectStore, content_key
+from registry.stores import open_store
 from registry.tenants import create_tenant, set_tenant_status
 from registry.types import AdapterVersionInfo, TenantQuotas
 from tests.registry.conftest import BASE_MODEL, write_adapter

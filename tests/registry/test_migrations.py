@@ -11,12 +11,13 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
 import migrations
-from registry.db import alembic_config, current_revision, downgrade, make_engine, upgrade
-from registry.models import Base
+from migrations.api import alembic_config, current_revision, downgrade, upgrade
+from registry.db import make_engine
+from registry.tables import metadata
 
 TABLES = {"tenants", "api_keys", "adapter_versions", "usage_records", "audit_log"}
-TABLES |= {"quota_buckets", "quota_leases", "console_sessions"}  # issue 16: fleet state (0003)
-TABLES |= {"fleet_replicas", "fleet_pins", "fleet_events"}  # issue 16: fleet membership (0004)
+TABLES |= {"quota_buckets", "quota_leases", "console_sessions"}  # fleet state (0003)
+TABLES |= {"fleet_replicas", "fleet_pins", "fleet_events"}  # fleet membership (0004)
 
 
 def _tables(url: str) -> set[str]:
@@ -37,7 +38,7 @@ def test_upgrade_head_matches_models_then_downgrade_base(db_url: str) -> None:
     try:
         with engine.connect() as conn:
             context = MigrationContext.configure(conn, opts={"compare_type": True})
-            diff = compare_metadata(context, Base.metadata)
+            diff = compare_metadata(context, metadata)
     finally:
         engine.dispose()
     assert diff == [], f"migrations and registry/models.py disagree: {diff}"

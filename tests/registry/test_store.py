@@ -11,7 +11,8 @@ import pytest
 
 from registry.errors import HashMismatch, ObjectNotFound, StoreUnavailable
 from registry.s3 import S3Store
-from registry.store import ObjectStore, content_key, get_verified, open_store, put_content
+from registry.store import ObjectStore, content_key, get_verified, put_content
+from registry.stores import open_store
 
 
 def _file(path: Path, data: bytes) -> Path:
