@@ -102,7 +102,7 @@ def _app(events: list[str]) -> Starlette:
             finally:
                 events.append(
                     "generator closed"
-                )  # what aborts engine requests in api/inference/generation.py
+                )  # what aborts engine requests in api/inference/running.py
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
