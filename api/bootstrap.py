@@ -2,7 +2,9 @@
 
 Order matters for a fresh machine: data dir -> migrations on `--db` -> object store -> disk tier ->
 model (downloaded / converted / made on first use: api/checkpoints/sources.py) -> secrets -> engine -> demo
-tenant. Also the start-up banner: base URL, keys and a ready-to-paste curl line.
+tenant. It is the one place that builds the services and hands each its collaborators (the request
+path's in `Inference`: usage meter, quotas, admission, in-flight requests, plan gate, seeds). Also the
+start-up banner: base URL, keys and a ready-to-paste curl line.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from base_engine.model.config import load_model_config
 from registry.db import make_engine, session_factory, upgrade
 from registry.disk_cache import DiskTier
 from registry.provenance import Provenance
-from registry.store import open_store
+from registry.store import ObjectStore, open_store
 from registry.types import TenantQuotas
 
 logger = logging.getLogger(__name__)
@@ -69,32 +71,12 @@ def build_state(settings: Settings) -> AppState:
         check_fleet_schema(settings)  # migrations run once per deploy (`loraserve db upgrade`)
     else:
         upgrade(settings.db_url)
-    sessions = session_factory(
-        make_engine(
-            settings.db_url,
-            connect_timeout_s=settings.db_connect_timeout_s,
-            read_timeout_s=settings.db_read_timeout_s,
-        )
-    )
-    store = open_store(
-        settings.registry_url,
-        max_attempts=settings.store_max_attempts,
-        connect_timeout_s=settings.store_connect_timeout_s,
-        read_timeout_s=settings.store_read_timeout_s,
-    )
-    store.check()
+    sessions, store = _open_registry(settings)
     disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
     adapter_fetch = AdapterFetch(disk)
     model_dir = resolve_model(settings)
     record_served_model(data_dir, settings.model_source)
-    if settings.admin_key is not None:
-        admin_key, admin_created = settings.admin_key.get_secret_value(), False
-    else:
-        admin_key, admin_created = read_or_create_secret(data_dir / ADMIN_KEY_FILE, new_admin_key)
-    if settings.fleet:  # one secret for every replica, from the deploy's admin key; no file
-        server_secret = fleet_server_secret(admin_key)
-    else:
-        server_secret, _ = read_or_create_secret(data_dir / SERVER_SECRET_FILE, lambda: new_admin_key()[4:])
+    admin_key, admin_created, server_secret = _secrets(settings, data_dir)
     engine = LLMEngine(
         model_dir,
         device=settings.device,
@@ -147,6 +129,38 @@ def build_state(settings: Settings) -> AppState:
             random_adapters=settings.is_random_demo,
         )
     return state
+
+
+def _open_registry(settings: Settings) -> tuple[sessionmaker[Session], ObjectStore]:
+    """The database's sessions and the object store, checked reachable."""
+    sessions = session_factory(
+        make_engine(
+            settings.db_url,
+            connect_timeout_s=settings.db_connect_timeout_s,
+            read_timeout_s=settings.db_read_timeout_s,
+        )
+    )
+    store = open_store(
+        settings.registry_url,
+        max_attempts=settings.store_max_attempts,
+        connect_timeout_s=settings.store_connect_timeout_s,
+        read_timeout_s=settings.store_read_timeout_s,
+    )
+    store.check()
+    return sessions, store
+
+
+def _secrets(settings: Settings, data_dir: Path) -> tuple[str, bool, str]:
+    """(admin key, whether it was created now, server secret)."""
+    if settings.admin_key is not None:
+        admin_key, admin_created = settings.admin_key.get_secret_value(), False
+    else:
+        admin_key, admin_created = read_or_create_secret(data_dir / ADMIN_KEY_FILE, new_admin_key)
+    if settings.fleet:  # one secret for every replica, from the deploy's admin key; no file
+        server_secret = fleet_server_secret(admin_key)
+    else:
+        server_secret, _ = read_or_create_secret(data_dir / SERVER_SECRET_FILE, lambda: new_admin_key()[4:])
+    return admin_key, admin_created, server_secret
 
 
 def _metrics(settings: Settings, engine: AsyncEngine) -> Metrics:

@@ -58,21 +58,7 @@ async def create_completion(
     headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers, **provenance.headers(ctx.provenance)}
     if plan.stream:
         return _stream(inference=inference, plan=plan, ticket=ticket, headers=headers)
-    try:
-        finals = await unless_disconnected(
-            request,
-            ctx,
-            _run_to_end(inference=inference, plan=plan),
-            on_disconnect=lambda: abort_plan(engine=inference.engine, plan=plan),
-        )
-    except APIError as exc:
-        return exc.response(headers)
-    finally:
-        abandon_unstarted(inflight=inference.inflight, plan=plan)
-        ticket.release(ctx.usage)
-    return JSONResponse(
-        response_body(tokenizer=inference.engine.tokenizer, plan=plan, finals=finals), headers=headers
-    )
+    return await _answer(inference=inference, request=request, plan=plan, ticket=ticket, headers=headers)
 
 
 async def _plan(
@@ -129,6 +115,26 @@ async def _run_to_end(*, inference: Inference, plan: GenerationPlan) -> list[Req
     if error is not None:
         raise error
     return finals
+
+
+async def _answer(
+    *, inference: Inference, request: Request, plan: GenerationPlan, ticket: Ticket, headers: dict[str, str]
+) -> Response:
+    """The JSON answer: run to the end (a disconnect aborts it), then release the ticket with the usage."""
+    try:
+        finals = await unless_disconnected(
+            request,
+            plan.ctx,
+            _run_to_end(inference=inference, plan=plan),
+            on_disconnect=lambda: abort_plan(engine=inference.engine, plan=plan),
+        )
+    except APIError as exc:
+        return exc.response(headers)
+    finally:
+        abandon_unstarted(inflight=inference.inflight, plan=plan)
+        ticket.release(plan.ctx.usage)
+    body = response_body(tokenizer=inference.engine.tokenizer, plan=plan, finals=finals)
+    return JSONResponse(body, headers=headers)
 
 
 def _stream(
