@@ -1,15 +1,18 @@
 """The FastAPI application: routes, OpenAI-shaped errors, and the engine's life cycle.
 
 `create_app(state)` takes a ready `AppState` (api/bootstrap.py builds one from settings; tests may
-build their own). The lifespan starts the engine thread and, on shutdown, runs the drain hooks
-(flush usage) and stops the engine. The SIGTERM drain itself lives in api/server.py.
+build their own). The lifespan registers the in-flight requests as the engine's observer, starts the
+engine thread (and, in a fleet, the replica agent) and, on shutdown, drains, stops each service by
+name (`shut_down`: usage written, quotas' pending releases, pools, adapter fetches, the fleet agent)
+and stops the engine. The SIGTERM drain itself lives in api/server.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,6 +23,7 @@ from api.admin.console import install_console
 from api.errors import install_error_handlers
 from api.http.body_limit import BodyLimit
 from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage
+from api.server import run
 from api.state import AppState
 
 logger = logging.getLogger(__name__)
@@ -28,10 +32,10 @@ logger = logging.getLogger(__name__)
 def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        # Installed last, so every other on_finished callback (metering) still finds the context.
-        state.engine.on_finished.append(state.inflight.on_engine_finished)
+        # Ends each HTTP request once its engine requests have (metering, metrics): api/inference/inflight.py
+        state.engine.on_finished.append(state.inference.inflight.on_engine_finished)
         state.engine.start()
-        if state.settings.fleet:  # issue 16: join the fleet (heartbeat, residency, admin events)
+        if state.settings.fleet:  # join the fleet (heartbeat, residency, admin events)
             from api.fleet.agent import start_agent
 
             start_agent(state)
@@ -40,7 +44,7 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
             yield
         finally:
             await drain(state, timeout_s=0.0)
-            await state.run_drain_hooks()
+            await shut_down(state)
             state.engine.shutdown()
             logger.info("engine stopped")
 
@@ -83,8 +87,40 @@ async def drain(state: AppState, *, timeout_s: float, poll_s: float = 0.05) -> N
     while state.admission.num_in_flight and loop.time() < deadline:
         await asyncio.sleep(poll_s)
     if state.admission.num_in_flight:
-        state.inflight.abort_all("shutdown", state.engine.abort)
+        state.inference.inflight.abort_all("shutdown", state.engine.abort)
         # Give the handlers a moment to send their final events / error responses.
         grace = loop.time() + 5.0
         while state.admission.num_in_flight and loop.time() < grace:
             await asyncio.sleep(poll_s)
+
+
+async def shut_down(state: AppState) -> None:
+    """After the drain (every admitted request has finished), before the engine stops: each service
+    stops once, in this order; one that fails is logged and the others still stop."""
+    inference = state.inference
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("blocking pools", state.pools.shutdown),
+        ("metrics sampler", state.metrics_sampler.stop),
+        ("usage meter", inference.meter.stop),  # writes every finished request's record
+        ("quotas", inference.quotas.stop),  # the database backend writes its pending releases
+    ]
+    if inference.adapter_fetch is not None:
+        steps.append(("adapter fetches", inference.adapter_fetch.shutdown))
+    if state.fleet_agent is not None:
+        steps.append(("fleet agent", state.fleet_agent.stop))  # leaves the fleet, closes its database
+    for name, stop in steps:
+        try:
+            result = stop()
+            if inspect.isawaitable(result):
+                await result
+        except Exception:  # noqa: BLE001 - one failing service must not keep the others running
+            logger.exception("stopping the %s failed", name)
+
+
+def run_server(state: AppState) -> None:
+    """Run the app under uvicorn until a signal drains it (api/server.py); returns normally."""
+
+    async def drain_for(timeout_s: float) -> None:
+        await drain(state, timeout_s=timeout_s)
+
+    run(create_app(state), settings=state.settings, admission=state.admission, drain=drain_for)

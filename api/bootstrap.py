@@ -2,7 +2,9 @@
 
 Order matters for a fresh machine: data dir -> migrations on `--db` -> object store -> disk tier ->
 model (downloaded / converted / made on first use: api/checkpoints/sources.py) -> secrets -> engine -> demo
-tenant. Also the start-up banner: base URL, keys and a ready-to-paste curl line.
+tenant. It is the one place that builds the services and hands each its collaborators (the request
+path's in `Inference`: usage meter, quotas, admission, in-flight requests, plan gate, seeds). Also the
+start-up banner: base URL, keys and a ready-to-paste curl line.
 """
 
 from __future__ import annotations
@@ -12,13 +14,20 @@ import logging
 import shlex
 from pathlib import Path
 
+from sqlalchemy.orm import Session, sessionmaker
+
 from api.checkpoints.sources import record_served_model, resolve_model_dir
 from api.demo.tenant import ensure_demo_checkpoint, ensure_demo_tenant
 from api.demo.traits import TRAITS
 from api.fleet.start import check_fleet_schema, check_fleet_settings, fleet_server_secret
 from api.inference.adapter_fetch import AdapterFetch
+from api.inference.inflight import InFlight
 from api.inference.provenance import server_provenance
-from api.metering.service import install as install_metering
+from api.inference.sampling import SeedSource
+from api.inference.services import Inference
+from api.metering.request_meter import open_meter
+from api.metrics.prometheus import Metrics
+from api.metrics.sampler import MetricsSampler
 from api.settings import Settings
 from api.state import AppState
 from api.tenancy.admission import Admission
@@ -30,6 +39,9 @@ from api.tenancy.keyfiles import (
     new_admin_key,
     read_or_create_secret,
 )
+from api.tenancy.plan_gate import PlanGate
+from api.tenancy.quota_gate import TenantQuotaGate
+from api.tenancy.quotas_db import open_limiter
 from base_engine.async_engine import AsyncEngine
 from base_engine.engine import LLMEngine
 from base_engine.identity import describe_engine
@@ -37,7 +49,10 @@ from base_engine.model.config import load_model_config
 from migrations.api import upgrade
 from registry.db import make_engine, session_factory
 from registry.disk_cache import DiskTier
+from registry.provenance import Provenance
+from registry.store import ObjectStore
 from registry.stores import open_store
+from registry.types import TenantQuotas
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +73,68 @@ def build_state(settings: Settings) -> AppState:
         check_fleet_schema(settings)  # migrations run once per deploy (`loraserve db upgrade`)
     else:
         upgrade(settings.db_url)
+    sessions, store = _open_registry(settings)
+    disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
+    adapter_fetch = AdapterFetch(disk)
+    model_dir = resolve_model(settings)
+    record_served_model(data_dir, settings.model_source)
+    admin_key, admin_created, server_secret = _secrets(settings, data_dir)
+    engine = LLMEngine(
+        model_dir,
+        device=settings.device,
+        dtype=settings.dtype,
+        config=settings.engine_config(),
+        fetch=adapter_fetch,
+    )
+    async_engine = AsyncEngine(engine)
+    provenance = server_provenance(
+        model_dir=model_dir,
+        base_model=settings.model_name,
+        identity=describe_engine(engine),
+        cache_dir=data_dir,
+    )
+    metrics = _metrics(settings, async_engine)
+    inference = _inference(
+        settings,
+        sessions,
+        engine=async_engine,
+        metrics=metrics,
+        server_secret=server_secret,
+        provenance=provenance,
+        adapter_fetch=adapter_fetch,
+    )
+    sampler = MetricsSampler(metrics=metrics, engine=async_engine, disk=disk)
+    sampler.start()
+    state = AppState(
+        settings=settings,
+        engine=async_engine,
+        sessions=sessions,
+        store=store,
+        disk=disk,
+        admin_key=admin_key,
+        server_secret=server_secret,
+        model_name=settings.model_name,
+        base_shapes=load_model_config(model_dir).base_shapes(),
+        inference=inference,
+        metrics=metrics,
+        metrics_sampler=sampler,
+        admin_key_created=admin_created,
+    )
+    if settings.is_demo:
+        state.demo = ensure_demo_tenant(
+            sessions=sessions,
+            store=store,
+            data_dir=data_dir,
+            shapes=state.base_shapes,
+            validate=state.validator(),
+            base_model=state.model_name,
+            random_adapters=settings.is_random_demo,
+        )
+    return state
+
+
+def _open_registry(settings: Settings) -> tuple[sessionmaker[Session], ObjectStore]:
+    """The database's sessions and the object store, checked reachable."""
     sessions = session_factory(
         make_engine(
             settings.db_url,
@@ -72,10 +149,11 @@ def build_state(settings: Settings) -> AppState:
         read_timeout_s=settings.store_read_timeout_s,
     )
     store.check()
-    disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
-    adapter_fetch = AdapterFetch(disk)
-    model_dir = resolve_model(settings)
-    record_served_model(data_dir, settings.model_source)
+    return sessions, store
+
+
+def _secrets(settings: Settings, data_dir: Path) -> tuple[str, bool, str]:
+    """(admin key, whether it was created now, server secret)."""
     if settings.admin_key is not None:
         admin_key, admin_created = settings.admin_key.get_secret_value(), False
     else:
@@ -84,51 +162,64 @@ def build_state(settings: Settings) -> AppState:
         server_secret = fleet_server_secret(admin_key)
     else:
         server_secret, _ = read_or_create_secret(data_dir / SERVER_SECRET_FILE, lambda: new_admin_key()[4:])
-    engine = LLMEngine(
-        model_dir,
-        device=settings.device,
-        dtype=settings.dtype,
-        config=settings.engine_config(),
-        fetch=adapter_fetch,
-    )
-    state = AppState(
-        settings=settings,
-        engine=AsyncEngine(engine),
-        sessions=sessions,
-        store=store,
-        disk=disk,
-        admin_key=admin_key,
-        server_secret=server_secret,
+    return admin_key, admin_created, server_secret
+
+
+def _metrics(settings: Settings, engine: AsyncEngine) -> Metrics:
+    metrics = Metrics(
         model_name=settings.model_name,
-        base_shapes=load_model_config(model_dir).base_shapes(),
+        max_model_len=engine.max_model_len,
+        tenant_labels=settings.metrics_tenant_labels,
+    )
+    kv_cache = engine.kv_cache
+    metrics.set_cache_config(
+        block_size=kv_cache.block_size,
+        num_gpu_blocks=kv_cache.num_blocks,
+        cache_dtype="auto",  # the KV cache has the model's dtype, vLLM's "auto"
+        enable_prefix_caching=kv_cache.enable_prefix_caching,
+    )
+    return metrics
+
+
+def _inference(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    *,
+    engine: AsyncEngine,
+    metrics: Metrics,
+    server_secret: str,
+    provenance: Provenance,
+    adapter_fetch: AdapterFetch,
+) -> Inference:
+    """The request path's collaborators: the usage meter (replaying a crashed run's journal first),
+    the tenants' quotas (a fleet's live in the database), the server's admission bound."""
+    meter = open_meter(sessions, data_dir=settings.data_dir, flush_interval_s=settings.usage_flush_interval_s)
+    defaults = TenantQuotas(
+        rpm=settings.default_rpm, tpm=settings.default_tpm, max_concurrent=settings.default_max_concurrent
+    )
+    # Each fleet replica draws its own seed stream (a single server: the seed alone, the same every start).
+    replica = settings.replica_name if settings.fleet else None
+    return Inference(
+        engine=engine,
+        model_name=settings.model_name,
+        server_secret=server_secret,
+        seeds=SeedSource(settings.seed, replica),
+        provenance=provenance,
+        is_deterministic=settings.deterministic,
+        request_timeout_s=settings.request_timeout_s,
+        is_quota_blocking=settings.fleet,
+        quotas=TenantQuotaGate(open_limiter(settings, sessions, defaults)),
+        meter=meter,
         admission=Admission(
             settings.max_in_flight,
             fair=settings.fair_admission,
             reserve=settings.admission_reserve,
             max_queue_len=settings.max_queue_len,
         ),
-        admin_key_created=admin_created,
+        inflight=InFlight(meter=meter, metrics=metrics),
+        plan_gate=PlanGate(settings.max_concurrent_plans_per_tenant),
         adapter_fetch=adapter_fetch,
-        provenance=server_provenance(
-            model_dir=model_dir,
-            base_model=settings.model_name,
-            identity=describe_engine(engine),
-            cache_dir=data_dir,
-        ),
     )
-    install_metering(state)  # quotas, usage meter (replays a crashed run's journal), metrics
-    state.on_drain.append(adapter_fetch.shutdown)
-    if settings.is_demo:
-        state.demo = ensure_demo_tenant(
-            sessions=sessions,
-            store=store,
-            data_dir=data_dir,
-            shapes=state.base_shapes,
-            validate=state.validator(),
-            base_model=state.model_name,
-            random_adapters=settings.is_random_demo,
-        )
-    return state
 
 
 def banner(state: AppState) -> str:

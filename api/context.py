@@ -3,8 +3,8 @@
 A `RequestContext` is created once per HTTP request; its `request_id` is the response `id`, the
 `X-Request-Id` header and the engine request id (suffixed `-<choice>` when one HTTP request becomes
 several engine requests: n > 1 or a list of prompts). When the last of its engine requests ends,
-`InFlight` hands the context and the final outputs to `on_request_finished` hooks (metering), which
-bill `compute_usage(finals, n=ctx.n)`: the same function that builds the response's `usage` object.
+`InFlight` (api/inference/inflight.py) hands the context and the final outputs to the meter, which
+bills `compute_usage(finals, n=ctx.n)`: the same function that builds the response's `usage` object.
 """
 
 from __future__ import annotations

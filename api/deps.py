@@ -1,4 +1,5 @@
-"""FastAPI dependencies as `Annotated` aliases: `StateDep`, `SessionDep`, `TenantDep`, `AdminDep`.
+"""FastAPI dependencies as `Annotated` aliases: `StateDep`, `InferenceDep`, `SessionDep`, `TenantDep`,
+`AdminDep`.
 
 Tenant keys (`lsk-...`) authenticate only on `/v1`, the admin key (`lsa-...`) only on `/admin`: a key
 of the wrong kind is 401 on both sides, so neither can stand in for the other.
@@ -15,6 +16,7 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from api.errors import APIError
+from api.inference.services import Inference
 from api.state import AppState
 from registry.errors import AuthError
 from registry.keys import authenticate, key_prefix
@@ -27,6 +29,13 @@ async def get_state(request: Request) -> AppState:
 
 
 StateDep = Annotated[AppState, Depends(get_state)]
+
+
+async def get_inference(state: StateDep) -> Inference:
+    return state.inference
+
+
+InferenceDep = Annotated[Inference, Depends(get_inference)]  # the completion / tokenize collaborators
 
 
 def get_session(state: StateDep) -> Iterator[Session]:

@@ -2,10 +2,10 @@
 
 uvicorn on its own closes the listening socket at the first signal and re-raises the signal after
 shutdown (the process then dies by SIGTERM, not exit 0). Here the first signal only starts the drain
-(api.app.drain): new requests get 503 while the socket stays open, in-flight requests get
-`drain_timeout_s` to finish and are aborted after it; then uvicorn shuts down, the lifespan flushes
-(`state.on_drain`) and stops the engine, and `serve` returns normally: exit status 0. A second
-signal skips the wait.
+(the `drain` it is handed, api.app.drain): new requests get 503 while the socket stays open,
+in-flight requests get `drain_timeout_s` to finish and are aborted after it; then uvicorn shuts down,
+the lifespan stops each service (api.app.shut_down: usage written) and stops the engine, and `serve`
+returns normally: exit status 0. A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -14,22 +14,29 @@ import asyncio
 import logging
 import resource
 import socket
+from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
-from api.app import drain
 from api.http.header_timeout import protocol_class
-from api.state import AppState
+from api.settings import Settings
+from api.tenancy.admission import Admission
+
+Drain = Callable[[float], Awaitable[None]]  # stop admitting, wait up to the timeout, abort the rest
 
 logger = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: AppState) -> None:
+    def __init__(
+        self, config: uvicorn.Config, *, drain_timeout_s: float, admission: Admission, drain: Drain
+    ) -> None:
         super().__init__(config)
-        self.state = state
+        self.drain_timeout_s = drain_timeout_s
+        self.admission = admission
+        self.drain = drain
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._is_draining = False
@@ -44,9 +51,9 @@ class DrainingServer(uvicorn.Server):
             logger.warning("second signal %d: shutting down now", sig)
             self.should_exit = True
             return
-        logger.info("signal %d: draining (grace %.1f s)", sig, self.state.settings.drain_timeout_s)
+        logger.info("signal %d: draining (grace %.1f s)", sig, self.drain_timeout_s)
         self._is_draining = True
-        self.state.admission.is_draining = True
+        self.admission.is_draining = True
         # A signal handler may run in the middle of the event loop: hand the task over through it.
         self._loop.call_soon_threadsafe(self._start_drain)
 
@@ -55,7 +62,7 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         try:
-            await drain(self.state, timeout_s=self.state.settings.drain_timeout_s)
+            await self.drain(self.drain_timeout_s)
         finally:
             self.should_exit = True
 
@@ -75,9 +82,8 @@ def raise_open_file_limit(ceiling: int = 65536) -> int:
     return soft
 
 
-def run(app: FastAPI, state: AppState) -> None:
+def run(app: FastAPI, *, settings: Settings, admission: Admission, drain: Drain) -> None:
     """Serve until a signal drains the server; returns normally (exit status 0)."""
-    settings = state.settings
     logger.info("open files limit: %d", raise_open_file_limit())
     config = uvicorn.Config(
         app,
@@ -89,4 +95,4 @@ def run(app: FastAPI, state: AppState) -> None:
         # Our own logging configuration (api/cli/options.py) stays in place.
         log_config=None,
     )
-    DrainingServer(config, state).run()
+    DrainingServer(config, drain_timeout_s=settings.drain_timeout_s, admission=admission, drain=drain).run()

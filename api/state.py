@@ -1,19 +1,9 @@
 """Everything the app needs at run time, built once at start-up (api/bootstrap.py) and shared by routes.
 
-Seams for the metering / metrics / quota layer (issue 7):
-- `plan_checks`: `check(tenant_id, quotas)`, run before a request is planned (tokenized); raise
-  `APIError` to refuse it at no cost (a tenant already over its rate limits).
-- `admission_checks`: `check(ctx) -> release | None`, run before any engine work; raise
-  `APIError(429, ...)` to refuse, put `x-ratelimit-*` into `ctx.response_headers`; the returned
-  `release(usage | None)` runs once when the request ends (`ctx.estimated_tokens` for estimates), or
-  with `admission.NOT_ADMITTED` when a later check or the server's bound (503) refused the request.
-- `on_admitted`: `hook(ctx)` once the request is admitted (journal it as begun).
-- `on_progress`: `hook(ctx, usage)` as a stream hands tokens to its client (usage so far; must
-  not block: it runs on the event loop).
-- `inflight.on_request_finished`: `hook(ctx, finals)` once per request when all its engine requests
-  ended, aborted and failed ones included; bill `api.context.compute_usage(finals, n=ctx.n)`.
-- `engine.on_finished`: every finished engine request (`inflight.get(out.request_id)` -> context).
-- `on_drain`: run on shutdown after in-flight requests ended (flush buffers there).
+Only the composition root (api/bootstrap.py, api/app.py) and the route layer (api/deps.py,
+api/routes/) see `AppState`; services take the collaborators they use. The request path's are
+bundled in `inference` (api/inference/services.py): quotas, meter, admission, in-flight requests,
+plan gate, seeds, provenance. What stops at shutdown is stopped by name in api/app.py's `shut_down`.
 
 Blocking work that can hang on a dependency (upload validation, object store, database for
 uploads, /ready probes) runs in `pools` (api/http/blocking.py), never in anyio's default thread pool.
@@ -22,7 +12,6 @@ uploads, /ready probes) runs in `pools` (api/http/blocking.py), never in anyio's
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -35,29 +24,22 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from adapters.types import AdapterSummary, BaseModelShapes
 from adapters.validation import validate_adapter
-from api.context import RequestContext, Usage
 from api.demo.tenant import DemoInfo
 from api.http.blocking import BlockingPools, Probe, UploadGate
-from api.inference.adapter_fetch import AdapterFetch
-from api.inference.sampling import SeedSource
-from api.metering.meter import UsageMeter
+from api.inference.services import Inference
 from api.metrics.prometheus import Metrics
+from api.metrics.sampler import MetricsSampler
 from api.settings import Settings
-from api.tenancy.admission import Admission, InFlight, Release
+from api.tenancy.admission import Admission
 from api.tenancy.keyfiles import tenant_cache_salt
-from api.tenancy.plan_gate import PlanGate
-from api.tenancy.quotas import QuotaLimiter
 from api.tenant_adapters.uploads import UploadLimits, upload_limits
 from base_engine.async_engine import AsyncEngine
 from base_engine.runner.device import DTYPES
 from registry.disk_cache import DiskTier
-from registry.provenance import Provenance
 from registry.store import ObjectStore
-from registry.types import AdapterVersionInfo, TenantQuotas
+from registry.types import AdapterVersionInfo
 
 logger = logging.getLogger(__name__)
-
-AdmissionCheck = Callable[[RequestContext], Release | None]
 
 
 @dataclass
@@ -71,50 +53,35 @@ class AppState:
     server_secret: str
     model_name: str  # the base model's served name (`model` in requests, first in /v1/models)
     base_shapes: BaseModelShapes
-    admission: Admission
-    inflight: InFlight = field(default_factory=InFlight)
+    inference: Inference  # the request path's collaborators
+    metrics: Metrics  # Prometheus: /metrics, the console's charts, the fleet's snapshots
+    metrics_sampler: MetricsSampler  # refreshes the engine gauges; stopped at shutdown
     started_at: int = field(default_factory=lambda: int(time.time()))
-    plan_checks: list[Callable[[str, TenantQuotas | None], None]] = field(default_factory=list)
-    admission_checks: list[AdmissionCheck] = field(default_factory=list)
-    on_admitted: list[Callable[[RequestContext], None]] = field(default_factory=list)
-    on_progress: list[Callable[[RequestContext, Usage], None]] = field(default_factory=list)
-    on_drain: list[Callable[[], Any]] = field(default_factory=list)  # sync or async; run once
     demo: DemoInfo | None = None
-    # Issue 7, set by api.metering.service.install: usage meter, Prometheus metrics, rate limits.
-    meter: UsageMeter | None = None
-    metrics: Metrics | None = None
-    quotas: QuotaLimiter | None = None
     admin_key_created: bool = False
-    adapter_fetch: AdapterFetch | None = None  # the engine's fetch; knows store outages (503)
-    fleet_agent: Any = None  # issue 16: api.fleet.agent.ReplicaAgent in fleet mode (started by the lifespan)
-    # Issue 18: the process-wide half of every answer's provenance (api/inference/provenance.py), read at
-    # start-up.
-    provenance: Provenance | None = None
-    # Issue 13, built in __post_init__: own thread pools, the upload bound and limits, /ready probes.
+    fleet_agent: Any = None  # api.fleet.agent.ReplicaAgent in fleet mode (started by the lifespan)
+    # Built in __post_init__: own thread pools, the upload bound and limits, /ready probes.
     pools: BlockingPools = field(init=False)
     upload_gate: UploadGate = field(init=False)
     upload_limits: UploadLimits = field(init=False)
     ready_probes: dict[str, Probe] = field(init=False)
-    seeds: SeedSource = field(init=False)  # for requests that send no seed (api/inference/sampling.py)
-    plan_gate: PlanGate = field(init=False)  # per-tenant bound on requests being planned at once
 
     def __post_init__(self) -> None:
-        # Each fleet replica draws its own stream (a single server: the seed alone, the same every start).
-        replica = self.settings.replica_name if self.settings.fleet else None
-        self.seeds = SeedSource(self.settings.seed, replica)
         self.pools = BlockingPools(max_uploads=self.settings.max_concurrent_uploads)
         self.upload_gate = UploadGate(self.settings.max_concurrent_uploads)
-        self.plan_gate = PlanGate(self.settings.max_concurrent_plans_per_tenant)
         self.upload_limits = upload_limits(self.settings, self.base_shapes)
         self.ready_probes = {
             "database": Probe("database", self._ping_database, self.pools.probes),
             "object_store": Probe("object_store", self.store.check, self.pools.probes),
         }
-        self.on_drain.append(self.pools.shutdown)
 
     def _ping_database(self) -> None:
         with self.sessions() as session:
             session.execute(text("SELECT 1"))
+
+    @property
+    def admission(self) -> Admission:
+        return self.inference.admission
 
     @property
     def max_model_len(self) -> int:
@@ -149,13 +116,3 @@ class AppState:
         if f"{info.sha256}-{info.config_sha256}" in self.disk.entries():
             return "disk"
         return "store"
-
-    async def run_drain_hooks(self) -> None:
-        hooks, self.on_drain = list(self.on_drain), []
-        for hook in hooks:
-            try:
-                result = hook()
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:  # noqa: BLE001 - one failing hook must not stop the others
-                logger.exception("drain hook %r failed", hook)

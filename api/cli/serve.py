@@ -156,9 +156,8 @@ def serve(
         check_device(settings.device)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from None
-    from api.app import create_app
+    from api.app import run_server
     from api.bootstrap import banner, build_state
-    from api.server import run
 
     try:
         source = settings.model_source
@@ -175,7 +174,7 @@ def serve(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(banner(state))
-    run(create_app(state), state)
+    run_server(state)
 
 
 def _serve_on_ray(settings: Settings, num_replicas: int) -> None:

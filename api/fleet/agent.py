@@ -26,7 +26,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -63,12 +63,14 @@ class ReplicaAgent:
         replica_id: str,
         sessions: sessionmaker[Session],
         heartbeat_s: float = HEARTBEAT_S,
+        dispose: Callable[[], None] | None = None,
     ) -> None:
         self.state = state
         self.loop = loop
         self.replica_id = replica_id
         self.sessions = sessions
         self.heartbeat_s = heartbeat_s
+        self._dispose = dispose  # closes the agent's own database connections once it has left
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.cursor: int | None = None  # last event id applied; None = not caught up yet
         self.num_beats = 0
@@ -85,8 +87,10 @@ class ReplicaAgent:
         self._wake.set()
 
     async def stop(self) -> None:
-        """Drain hook: stop the thread, then leave the fleet (off the event loop: both may wait)."""
+        """At shutdown: stop the thread, then leave the fleet (off the event loop: both may wait)."""
         await asyncio.to_thread(self._stop_and_leave)
+        if self._dispose is not None:
+            self._dispose()
 
     def _stop_and_leave(self) -> None:
         self._stop.set()
@@ -209,12 +213,11 @@ def start_agent(state: AppState) -> ReplicaAgent:
         loop=asyncio.get_running_loop(),
         replica_id=replica_id_of(settings),
         sessions=session_factory(engine),
+        dispose=engine.dispose,
     )
     if state.metrics is not None:
         state.metrics.replica = agent.replica_id
-    state.fleet_agent = agent
-    state.on_drain.append(agent.stop)
-    state.on_drain.append(engine.dispose)
+    state.fleet_agent = agent  # stopped by the app's shut_down
     agent.start()
     logger.info("replica %s joined the fleet", agent.replica_id)
     return agent

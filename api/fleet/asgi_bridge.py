@@ -4,7 +4,7 @@ A replica runs our normal FastAPI app (api/app.py) without a socket of its own: 
 the request (method, path, headers, body) and gets back a `ResponseStart` and then body chunks, which
 a Ray streaming handle carries to the ingress as they come (SSE streams end to end). When the caller
 goes away (the client disconnected, Ray cancelled the call) the app sees `http.disconnect`, exactly
-as under uvicorn, so generation aborts its engine requests (api/inference/generation.py).
+as under uvicorn, so generation aborts its engine requests (api/inference/running.py).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ async def stream_asgi(app: Any, request: HttpRequest, *, grace_s: float = 5.0) -
                 if not message.get("more_body", False):
                     return
     finally:
-        disconnected.set()  # the app aborts its engine requests on it (api/inference/generation.py)
+        disconnected.set()  # the app aborts its engine requests on it (api/inference/running.py)
         if not task.done():
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(task), grace_s)

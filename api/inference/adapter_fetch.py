@@ -9,7 +9,7 @@ each version once however many ask):
   through `fetch` and fails the requests waiting for an adapter whose load failed (and tries again
   after a pause, at once when the files have reached the disk tier meanwhile). There, an
   unreachable store raises `StoreUnreachable` (a ConnectionError) and is noted, so that the API
-  answers those requests with the same retryable 503 rather than a 500 (api/inference/responses.py).
+  answers those requests with the same retryable 503 rather than a 500 (`adapter_unavailable`).
 The store's own message (endpoint, bucket, key) goes to the log only.
 """
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from adapters.loader import RETRY_UNREACHABLE_S
 from adapters.types import AdapterRef
+from api.errors import APIError
 from registry.disk_cache import DiskTier
 from registry.errors import StoreUnavailable
 
@@ -89,3 +90,13 @@ class AdapterFetch:
     def _forget(self, ref_id: str) -> None:
         with self._lock:
             self._unreachable.discard(ref_id)
+
+
+def adapter_unavailable(model: str) -> APIError:
+    """The retryable 503 for a request whose adapter's files cannot be fetched now."""
+    return APIError(
+        503,
+        f"The adapter `{model}` cannot be loaded right now (its storage is unreachable); retry later.",
+        code="adapter_unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )

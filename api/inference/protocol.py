@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints (openai/openai-openapi `CreateCompletionRequest`,
 `CreateChatCompletionRequest`) plus vLLM's sampling extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`) and our `deterministic` (issue 18: batch-invariant, api/inference/sampling.py).
+`include_stop_str_in_output`) and our `deterministic` (batch-invariant, api/inference/sampling.py).
 
 Unknown fields are refused (`extra="forbid"` -> 400 "Unrecognized request argument supplied: x"),
 as OpenAI does and vLLM does not. Fields OpenAI defines but this server does not implement are
@@ -64,7 +64,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    # Batch-invariant execution (issue 18): true or false only ("yes", 1 -> 400 naming the field).
+    # Batch-invariant execution: true or false only ("yes", 1 -> 400 naming the field).
     deterministic: StrictBool | None = None
     # OpenAI fields refused unless they have their no-op value
     logit_bias: dict[str, float] | None = None

@@ -1,4 +1,4 @@
-"""Provenance on every answer (issue 18): the `X-Loraserve-Provenance` header and the usage record's field.
+"""Provenance on every answer: the `X-Loraserve-Provenance` header and the usage record's field.
 
 What is fixed for the process (build, weights, dtype, device, kernels) is read once at start-up
 (`server_provenance`); each request adds its adapter, its seed and whether it ran batch-invariant

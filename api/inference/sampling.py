@@ -11,7 +11,7 @@ does by default (`--generation-config auto`): temperature, top_p, top_k, min_p, 
 each only where it differs from transformers' GenerationConfig default (vLLM reads the file's
 `to_diff_dict()`), then SamplingParams' own defaults.
 
-Seeds and `deterministic` (issue 18): every request runs with a seed; one that sends none gets one drawn
+Seeds and `deterministic`: every request runs with a seed; one that sends none gets one drawn
 by the server (63 bits, `SeedSource`: a stream seeded by `--seed`, default 0, as vLLM seeds its engine),
 reported in its provenance header, so any sampled answer can be replayed. The engine gives each seeded
 request its own generator: ~14 us once at admission, and a sampled row then draws its number alone, ~16

@@ -16,11 +16,11 @@ from sqlalchemy.orm import Session
 
 from api.deps import Caller
 from api.errors import APIError
-from api.inference.generation import resolve_model
+from api.inference.planning import resolve_model
 from api.inference.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
 from api.inference.sampling import refuse_unfittable_text
 from api.inference.tools import plan_tools, template_messages, template_tools
-from api.state import AppState
+from base_engine.async_engine import AsyncEngine
 from base_engine.model.tokenizer import render_chat
 
 
@@ -50,10 +50,10 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def _token_ids(state: AppState, body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
-    tokenizer = state.tokenizer
+def _token_ids(engine: AsyncEngine, body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
+    tokenizer = engine.tokenizer
     if isinstance(body, TokenizeCompletionRequest):
-        refuse_unfittable_text(tokenizer, body.prompt, state.max_model_len, "prompt")
+        refuse_unfittable_text(tokenizer, body.prompt, engine.max_model_len, "prompt")
         return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(
@@ -76,28 +76,29 @@ def _token_ids(state: AppState, body: TokenizeCompletionRequest | TokenizeChatRe
         )
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from None
-    refuse_unfittable_text(tokenizer, text, state.max_model_len, "messages")
+    refuse_unfittable_text(tokenizer, text, engine.max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
 
 
 def tokenize(
     *,
-    state: AppState,
+    engine: AsyncEngine,
+    model_name: str,
     session: Session,
     caller: Caller,
     body: TokenizeCompletionRequest | TokenizeChatRequest,
 ) -> dict[str, Any]:
-    resolve_model(state, session, caller, body.model)
-    ids = _token_ids(state, body)
-    strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+    resolve_model(model_name=model_name, session=session, caller=caller, model=body.model)
+    ids = _token_ids(engine, body)
+    strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 def detokenize(
-    *, state: AppState, session: Session, caller: Caller, body: DetokenizeRequest
+    *, engine: AsyncEngine, model_name: str, session: Session, caller: Caller, body: DetokenizeRequest
 ) -> dict[str, Any]:
-    resolve_model(state, session, caller, body.model)
-    vocab_size = state.engine.vocab_size
+    resolve_model(model_name=model_name, session=session, caller=caller, model=body.model)
+    vocab_size = engine.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]
     if bad:
         raise APIError(
@@ -106,4 +107,4 @@ def detokenize(
             param="tokens",
             code="invalid_value",
         )
-    return {"prompt": state.tokenizer.decode(body.tokens)}
+    return {"prompt": engine.tokenizer.decode(body.tokens)}

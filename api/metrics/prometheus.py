@@ -12,7 +12,7 @@ opted in, or the scrape carried the metrics token). `vllm:lora_requests_info` na
 clients send them in `model` (vLLM's convention: the adapter's name, no tenant id); with
 `tenant_labels=True` it shows the engine's full ids (`<tenant id>/<name>@<version>`) instead.
 
-Fleet (issue 16): with `replica` set (api/fleet/agent.py sets it in fleet mode), every series of
+Fleet: with `replica` set (api/fleet/agent.py sets it in fleet mode), every series of
 both registries carries a `replica` label, added when rendering (`_WithLabel`), so each replica's
 scrape is distinguishable and the fleet's snapshots merge without collisions.
 
@@ -31,6 +31,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from api.context import RequestContext
 from api.metrics.series import (
     LoraserveSeries,
     VllmSeries,
@@ -121,6 +122,13 @@ class Metrics:
                     max(0.0, m.e2e_s - m.ttft_s) / num_after_first if num_after_first > 0 else 0.0
                 )
         self.recent.observe(out, adapter=adapter)
+
+    def request_finished(self, ctx: RequestContext, finals: list[RequestOutput]) -> None:
+        """An HTTP request has ended: count each of its engine requests, then the request."""
+        adapter = f"{ctx.adapter_name}@{ctx.adapter_version}" if ctx.adapter_name else None
+        for out in finals:
+            self.observe_finished(out, tenant=ctx.tenant_name, adapter=adapter)
+        self.observe_request(finals)
 
     def observe_request(self, finals: list[RequestOutput]) -> None:
         """An HTTP request's end: the most tokens any of its choices generated (vLLM counts a request

@@ -6,11 +6,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from api.deps import SessionDep, StateDep, TenantDep
+from api.deps import InferenceDep, SessionDep, StateDep, TenantDep
 from api.errors import model_not_found, responses
+from api.inference.completions import create_completion
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from api.inference.provenance import OPENAPI_HEADERS
-from api.inference.responses import create_completion
 from api.state import AppState
 from registry.adapters import list_adapters
 
@@ -22,19 +22,23 @@ _ANSWER = {200: {"description": "The completion, or its SSE stream", "headers": 
 
 @router.post("/completions", responses=_ANSWER | responses(400, 401, 404, 429, 504))
 async def completions(
-    body: CompletionRequest, request: Request, state: StateDep, session: SessionDep, caller: TenantDep
+    body: CompletionRequest, request: Request, inference: InferenceDep, session: SessionDep, caller: TenantDep
 ) -> Response:
     return await create_completion(
-        state=state, request=request, session=session, caller=caller, body=body, kind="completion"
+        inference=inference, request=request, session=session, caller=caller, body=body, kind="completion"
     )
 
 
 @router.post("/chat/completions", responses=_ANSWER | responses(400, 401, 404, 429, 504))
 async def chat_completions(
-    body: ChatCompletionRequest, request: Request, state: StateDep, session: SessionDep, caller: TenantDep
+    body: ChatCompletionRequest,
+    request: Request,
+    inference: InferenceDep,
+    session: SessionDep,
+    caller: TenantDep,
 ) -> Response:
     return await create_completion(
-        state=state, request=request, session=session, caller=caller, body=body, kind="chat"
+        inference=inference, request=request, session=session, caller=caller, body=body, kind="chat"
     )
 
 

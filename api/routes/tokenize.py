@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import SessionDep, StateDep, TenantDep
+from api.deps import InferenceDep, SessionDep, TenantDep
 from api.errors import responses
 from api.inference import tokenization
 from api.inference.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
@@ -18,18 +18,25 @@ router = APIRouter(tags=["tokenize"])
 @router.post("/tokenize", responses=responses(400, 401, 404))
 async def tokenize(
     body: TokenizeCompletionRequest | TokenizeChatRequest,
-    state: StateDep,
+    inference: InferenceDep,
     session: SessionDep,
     caller: TenantDep,
 ) -> dict[str, Any]:
-    async with state.plan_gate.slot(caller.tenant.id):  # as completions: api/tenancy/plan_gate.py
+    async with inference.plan_gate.slot(caller.tenant.id):  # as completions: api/tenancy/plan_gate.py
         return await run_in_threadpool(
-            tokenization.tokenize, state=state, session=session, caller=caller, body=body
+            tokenization.tokenize,
+            engine=inference.engine,
+            model_name=inference.model_name,
+            session=session,
+            caller=caller,
+            body=body,
         )
 
 
 @router.post("/detokenize", responses=responses(400, 401, 404))
 def detokenize(
-    body: DetokenizeRequest, state: StateDep, session: SessionDep, caller: TenantDep
+    body: DetokenizeRequest, inference: InferenceDep, session: SessionDep, caller: TenantDep
 ) -> dict[str, Any]:
-    return tokenization.detokenize(state=state, session=session, caller=caller, body=body)
+    return tokenization.detokenize(
+        engine=inference.engine, model_name=inference.model_name, session=session, caller=caller, body=body
+    )

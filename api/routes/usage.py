@@ -1,4 +1,4 @@
-"""Usage for billing and Prometheus metrics (issue 7).
+"""Usage for billing and Prometheus metrics.
 
 - `GET /v1/usage` (tenant key): the caller's own totals, `start`/`end`/`group_by=day|adapter|key`.
 - `GET /admin/api/usage` (admin key): every tenant's totals, `group_by` also `tenant`, `tenant_id`
@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from api.deps import AdminDep, SessionDep, StateDep, TenantDep
 from api.errors import APIError, responses
 from api.http.blocking import run_in
-from api.metering.service import refresh_engine_metrics
+from api.metrics.sampler import refresh_engine_metrics
 from api.state import AppState
 from registry.usage import GroupBy, UsageGroup, export_usage, to_cloudevent, usage_summary
 
@@ -56,10 +56,8 @@ def parse_time(value: str | None, param: str) -> datetime | None:
 
 
 def flush_usage(state: AppState) -> None:
-    if state.meter is None:
-        return
     try:
-        state.meter.flush()
+        state.inference.meter.flush()
     except Exception as exc:  # noqa: BLE001 - a read must not pretend to be complete
         logger.warning("usage flush before a read failed: %r", exc)
         message = "usage records cannot be written now; retry later"
@@ -165,16 +163,15 @@ def export(
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request, state: StateDep) -> Response:
-    if state.metrics is None:
-        raise APIError(404, "metrics are not enabled on this server", code="unknown_route")
     metrics = state.metrics
     include_tenants = may_see_tenants(request, state)
 
     def render() -> tuple[bytes, str]:
-        refresh_engine_metrics(state)  # the gauges as of this scrape, not of the last sampler tick
+        # The gauges as of this scrape, not of the last sampler tick.
+        refresh_engine_metrics(metrics=metrics, engine=state.engine, disk=state.disk)
         return metrics.render(include_tenants=include_tenants)
 
-    # In the server's own small pool: never queued behind anyio's shared pool (issue 13).
+    # In the server's own small pool: never queued behind anyio's shared pool.
     payload, content_type = await run_in(state.pools.ops, render)
     return Response(payload, media_type=content_type)
 

@@ -4,7 +4,7 @@ Requests beyond one full batch (`max_num_seqs`) plus the waiting queue (`max_que
 at once with 503 + Retry-After instead of queueing without bound; once draining (SIGTERM) every new
 request is refused the same way.
 
-Fairness (on by default; issue 13: one tenant took all 320 slots and another got 10/10 503s). The
+Fairness (on by default: without it one tenant can take every slot while another gets only 503s). The
 slots are shared max-min fairly among the tenants that contend for them: those with requests in
 flight, those refused in the last `WAITING_WINDOW_S` (they are waiting: their clients retry after
 Retry-After), and the asking tenant. Each one's fair share is `max_in_flight // max(2, contenders)`:
@@ -20,9 +20,8 @@ go to the tenants below their share until every contender holds its share; insid
 same tenants are then ordered by the Virtual Token Counter (base_engine/lora_policy.py), so a newly
 admitted tenant's requests also start before the flooding tenant's waiting ones.
 
-`InFlight` maps engine request ids to their `RequestContext`, so the drain can abort what is left,
-and reports each HTTP request once, when its last engine request has ended, to the
-`on_request_finished` hooks (metering).
+`admit` is the request path's admission step: the tenant's quotas (429), then this bound (503),
+then the meter's `begin`; the `Ticket` it returns gives the slot and the quota back once.
 """
 
 from __future__ import annotations
@@ -34,18 +33,13 @@ from collections.abc import Callable
 
 from api.context import RequestContext, Usage
 from api.errors import APIError
-from base_engine.async_engine import EngineRequest
-from base_engine.outputs import RequestOutput
+from api.metering.request_meter import Meter
+from api.tenancy.quota_gate import NOT_ADMITTED, Quotas, Release, release_nothing
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 WAITING_WINDOW_S = 5.0  # a refused tenant counts as waiting for a slot this long (a few Retry-Afters)
-Release = Callable[[Usage | None], None]  # called once when the request ends, with its usage if known
-# The usage a release is called with when the request was refused after its check admitted it (a later
-# check's 429, or the server's 503): nothing ran, so nothing is owed (quotas give everything back).
-NOT_ADMITTED = Usage(prompt_tokens=0, completion_tokens=0, cached_tokens=0)
-RequestFinished = Callable[[RequestContext, list[RequestOutput]], None]
 
 
 class Ticket:
@@ -55,7 +49,7 @@ class Ticket:
         self._admission = admission
         self.num = num
         self.tenant = tenant
-        self.on_release: list[Release] = []  # e.g. quota refunds
+        self.release_quota: Release = release_nothing  # the tenant's quotas, set by `admit`
         self._released = False
 
     def release(self, usage: Usage | None = None) -> None:
@@ -63,11 +57,10 @@ class Ticket:
             return
         self._released = True
         self._admission._release(self.num, self.tenant)
-        for callback in self.on_release:
-            try:
-                callback(usage)
-            except Exception:  # noqa: BLE001 - a failing hook must not leak the admission slot
-                logger.exception("release hook %r failed", callback)
+        try:
+            self.release_quota(usage)
+        except Exception:  # noqa: BLE001 - a failing quota release must not leak the admission slot
+            logger.exception("quota release failed")
 
 
 class Admission:
@@ -166,62 +159,17 @@ class Admission:
                 self._by_tenant.pop(tenant, None)
 
 
-class InFlight:
-    """Contexts of the requests now in the engine, by engine request id. Thread-safe.
-
-    An engine request leaves when the engine reports it finished (`on_engine_finished`, installed
-    last in `AsyncEngine.on_finished`), or through `discard` when it was never submitted (it then
-    counts as aborted with no tokens). `on_request_finished` hooks run once per HTTP request, on the
-    engine thread (or the caller's, for `discard`), with the final outputs in choice order.
-    """
-
-    def __init__(self) -> None:
-        self.on_request_finished: list[RequestFinished] = []
-        self._by_engine_id: dict[str, RequestContext] = {}
-        self._finals: dict[str, dict[str, RequestOutput]] = {}  # ctx.request_id -> engine id -> final
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._by_engine_id)
-
-    def add(self, ctx: RequestContext) -> None:
-        with self._lock:
-            self._finals[ctx.request_id] = {}
-            for eid in ctx.engine_request_ids:
-                self._by_engine_id[eid] = ctx
-
-    def get(self, engine_request_id: str) -> RequestContext | None:
-        with self._lock:
-            return self._by_engine_id.get(engine_request_id)
-
-    def discard(self, request: EngineRequest) -> None:
-        never_ran = RequestOutput(request.request_id, request.prompt_token_ids, [], "", finish_reason="abort")
-        self.on_engine_finished(never_ran)
-
-    def on_engine_finished(self, out: RequestOutput) -> None:
-        with self._lock:
-            ctx = self._by_engine_id.pop(out.request_id, None)
-            if ctx is None:
-                return
-            finals = self._finals[ctx.request_id]
-            finals[out.request_id] = out
-            if len(finals) < len(ctx.engine_request_ids):
-                return
-            del self._finals[ctx.request_id]
-        ordered = [finals[eid] for eid in ctx.engine_request_ids]
-        for hook in self.on_request_finished:
-            try:
-                hook(ctx, ordered)
-            except Exception:  # noqa: BLE001 - runs on the engine thread: never let it raise
-                logger.exception("request-finished hook %r failed for %s", hook, ctx.request_id)
-
-    def abort_all(self, reason: str, abort: Callable[[str], None]) -> int:
-        """Abort every in-flight engine request with `abort(engine_request_id)`; returns how many."""
-        with self._lock:
-            items = list(self._by_engine_id.items())
-        for eid, ctx in items:
-            ctx.abort_reason = ctx.abort_reason or reason
-            abort(eid)
-        if items:
-            logger.info("aborted %d in-flight engine requests (%s)", len(items), reason)
-        return len(items)
+def admit(
+    *, quotas: Quotas, admission: Admission, meter: Meter, ctx: RequestContext, num_requests: int
+) -> Ticket:
+    """The tenant's quotas (429), then the server's own bound (503); once admitted, metering begins.
+    A 503 after the quotas admitted gives the tenant's allowance back (`NOT_ADMITTED`)."""
+    release_quota = quotas.admit(ctx)
+    try:
+        ticket = admission.acquire(num_requests, ctx.tenant_id)
+    except BaseException:
+        release_quota(NOT_ADMITTED)
+        raise
+    ticket.release_quota = release_quota
+    meter.begin(ctx)
+    return ticket

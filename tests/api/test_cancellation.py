@@ -12,11 +12,13 @@ import pytest
 
 from api.bootstrap import build_state
 from api.deps import Caller
-from api.inference.generation import GenerationPlan, collect, plan_generation
+from api.inference.planning import GenerationPlan, plan_generation
 from api.inference.protocol import CompletionRequest
-from api.inference.responses import admit
+from api.inference.running import collect
+from api.metering.request_meter import RequestMeter
 from api.settings import Settings
 from api.state import AppState
+from api.tenancy.admission import Ticket, admit
 from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestOutput
 from registry.usage import export_usage
@@ -35,12 +37,11 @@ def state(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         max_model_len=256,
     )
     state = build_state(settings)
-    state.engine.on_finished.append(state.inflight.on_engine_finished)  # as the app's lifespan does
+    state.engine.on_finished.append(state.inference.inflight.on_engine_finished)  # as the app's lifespan does
     state.engine.start()
     yield state
     state.engine.shutdown()
-    assert state.meter is not None
-    state.meter.stop()
+    state.inference.meter.stop()
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +49,36 @@ def caller(state: AppState) -> Caller:
     return new_caller(state, "cancel")
 
 
+def _meter(state: AppState) -> RequestMeter:
+    meter = state.inference.meter
+    assert isinstance(meter, RequestMeter)
+    return meter
+
+
+def _admit(state: AppState, plan: GenerationPlan) -> Ticket:
+    inference = state.inference
+    return admit(
+        quotas=inference.quotas,
+        admission=inference.admission,
+        meter=inference.meter,
+        ctx=plan.ctx,
+        num_requests=len(plan.requests),
+    )
+
+
+async def _collect(state: AppState, plan: GenerationPlan) -> list[RequestOutput]:
+    inference = state.inference
+    return await collect(
+        engine=inference.engine, inflight=inference.inflight, timeout_s=inference.request_timeout_s, plan=plan
+    )
+
+
 def _plan(state: AppState, caller: Caller) -> GenerationPlan:
     body = CompletionRequest(model=state.model_name, prompt="Hello", max_tokens=MAX_TOKENS, ignore_eos=True)
     with state.sessions() as session:
-        return plan_generation(state=state, session=session, caller=caller, body=body, kind="completion")
+        return plan_generation(
+            inference=state.inference, session=session, caller=caller, body=body, kind="completion"
+        )
 
 
 async def _cancel_during_handover(state: AppState, plan: GenerationPlan, after: int) -> None:
@@ -72,7 +99,7 @@ async def _cancel_during_handover(state: AppState, plan: GenerationPlan, after: 
 
     state.engine.generate = handover_then_cancel  # type: ignore[method-assign]
     try:
-        consumer = asyncio.create_task(collect(state, plan))
+        consumer = asyncio.create_task(_collect(state, plan))
         with pytest.raises(asyncio.CancelledError):
             await consumer
     finally:
@@ -84,17 +111,17 @@ def test_cancel_landing_as_an_output_is_handed_over_aborts_the_request(
     state: AppState, caller: Caller, after: int
 ) -> None:
     plan = _plan(state, caller)
-    ticket = admit(state, plan.ctx, len(plan.requests))
+    ticket = _admit(state, plan)
     try:
         asyncio.run(_cancel_during_handover(state, plan, after))
     finally:
         ticket.release(plan.ctx.usage)
-    assert state.meter is not None
+    meter = _meter(state)
     deadline = time.monotonic() + 30
-    while state.meter.in_flight(plan.ctx.request_id) is not None:  # the engine thread ends it
+    while meter.in_flight(plan.ctx.request_id) is not None:  # the engine thread ends it
         assert time.monotonic() < deadline, "the request never ended"
         time.sleep(0.01)
-    state.meter.flush()
+    meter.flush()
     with state.sessions() as session:
         usage = export_usage(session, tenant_id=caller.tenant.id, limit=10_000).records
     record = next(r for r in usage if r.request_id == plan.ctx.request_id)

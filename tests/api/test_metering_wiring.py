@@ -14,12 +14,14 @@ import pytest
 from api.bootstrap import build_state
 from api.context import RequestContext
 from api.deps import Caller
-from api.inference.generation import GenerationPlan, abandon_unstarted, collect, plan_generation
+from api.inference.planning import GenerationPlan, plan_generation
 from api.inference.protocol import CompletionRequest
-from api.inference.responses import admit
-from api.metering.service import quota_error, usage_record
+from api.inference.running import abandon_unstarted, collect
+from api.metering.request_meter import RequestMeter, usage_record
 from api.settings import Settings
 from api.state import AppState
+from api.tenancy.admission import Ticket, admit
+from api.tenancy.quota_gate import TenantQuotaGate, quota_error
 from api.tenancy.quotas import QuotaExceededError
 from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestMetrics, RequestOutput
@@ -36,8 +38,7 @@ def state(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     )
     state = build_state(settings)
     yield state
-    assert state.meter is not None
-    state.meter.stop()
+    state.inference.meter.stop()
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,33 @@ def caller(state: AppState) -> Caller:
     return new_caller(state, "wiring")
 
 
+def _meter(state: AppState) -> RequestMeter:
+    meter = state.inference.meter
+    assert isinstance(meter, RequestMeter)
+    return meter
+
+
+def _admit(state: AppState, plan: GenerationPlan) -> Ticket:
+    inference = state.inference
+    return admit(
+        quotas=inference.quotas,
+        admission=inference.admission,
+        meter=inference.meter,
+        ctx=plan.ctx,
+        num_requests=len(plan.requests),
+    )
+
+
+async def _collect(state: AppState, plan: GenerationPlan) -> list[RequestOutput]:
+    inference = state.inference
+    return await collect(
+        engine=inference.engine, inflight=inference.inflight, timeout_s=inference.request_timeout_s, plan=plan
+    )
+
+
 def records(state: AppState, tenant_id: str) -> dict[str, UsageRecord]:
-    assert state.meter is not None
-    state.meter.flush()
+    meter = _meter(state)
+    meter.flush()
     with state.sessions() as session:
         return {r.request_id: r for r in export_usage(session, tenant_id=tenant_id, limit=10_000).records}
 
@@ -55,16 +80,21 @@ def records(state: AppState, tenant_id: str) -> dict[str, UsageRecord]:
 def test_admitted_request_whose_stream_never_started_is_billed_once(state: AppState, caller: Caller) -> None:
     body = CompletionRequest(model=state.model_name, prompt="Hello there", max_tokens=3, n=2)
     with state.sessions() as session:
-        plan = plan_generation(state=state, session=session, caller=caller, body=body, kind="completion")
+        plan = plan_generation(
+            inference=state.inference, session=session, caller=caller, body=body, kind="completion"
+        )
     ctx = plan.ctx
-    assert state.meter is not None and state.quotas is not None
-    ticket = admit(state, ctx, len(plan.requests))
-    assert state.meter.in_flight(ctx.request_id) is not None
-    abandon_unstarted(state, plan)  # what the response does when it closes without being iterated
-    abandon_unstarted(state, plan)
+    meter, quotas = _meter(state), state.inference.quotas
+    assert isinstance(quotas, TenantQuotaGate)
+    ticket = _admit(state, plan)
+    assert meter.in_flight(ctx.request_id) is not None
+    abandon_unstarted(
+        inflight=state.inference.inflight, plan=plan
+    )  # what the response does when it closes without being iterated
+    abandon_unstarted(inflight=state.inference.inflight, plan=plan)
     ticket.release(ctx.usage)
-    assert state.meter.in_flight(ctx.request_id) is None
-    assert state.quotas.num_concurrent(caller.tenant.id) == 0 and state.admission.num_in_flight == 0
+    assert meter.in_flight(ctx.request_id) is None
+    assert quotas.limiter.num_concurrent(caller.tenant.id) == 0 and state.admission.num_in_flight == 0
     record = records(state, caller.tenant.id)[ctx.request_id]
     assert (record.finish_reason, record.completion_tokens) == ("abort", 0)
     assert record.prompt_tokens == ctx.num_prompt_tokens  # the prompt once, although n = 2
@@ -82,7 +112,7 @@ def test_request_refused_by_the_engine_after_admission_is_billed_once(
     )  # fmt: skip
     request = EngineRequest(ctx.request_id, prompt, SamplingParams(max_tokens=4), tenant_id=caller.tenant.id)
     plan = GenerationPlan(ctx, [request], stream=False, include_usage=False, num_top_logprobs=None)
-    finals = asyncio.run(collect(state, plan))
+    finals = asyncio.run(_collect(state, plan))
     assert [o.finish_reason for o in finals] == ["error"]
     record = records(state, caller.tenant.id)[ctx.request_id]
     assert (record.finish_reason, record.prompt_tokens, record.completion_tokens) == ("error", 200, 0)

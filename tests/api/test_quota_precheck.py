@@ -1,5 +1,5 @@
 """A tenant already over its rate limits is refused before its request is planned (api/tenancy/quotas.py
-`precheck`, the `plan_checks` seam): its prompts are never tokenized, its refusal is the 429 that
+`precheck`, called by name before planning): its prompts are never tokenized, its refusal is the 429 that
 admission would give, with the OpenAI rate-limit headers. In process on the real app."""
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
-"""The hooks issue 7 builds on, in-process (FastAPI TestClient on a real engine and SQLite registry).
+"""The request path's collaborators, replaced by recording ones, in-process (FastAPI TestClient on a
+real engine and SQLite registry).
 
-Contract checked: admission checks run before any engine work and can refuse with 429; the release
-callback gets the request's usage; `on_request_finished` runs once per request with outputs whose
-`compute_usage` equals the `usage` the client received (streamed or not, n > 1); `on_drain` runs at
-shutdown; the context carries the request id, key prefix and adapter.
+Contract checked: `Quotas.admit` runs before any engine work and can refuse with 429; the release it
+returns gets the request's usage; `Meter.begin` runs once admitted and `Meter.finish` once per
+request with outputs whose `compute_usage` equals the `usage` the client received (streamed or not,
+n > 1); `Meter.stop` runs at shutdown; the context carries the request id, key prefix and adapter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -19,7 +20,10 @@ from api.app import create_app
 from api.bootstrap import build_state
 from api.context import RequestContext, Usage, compute_usage
 from api.errors import APIError
+from api.inference.inflight import InFlight
+from api.metering.request_meter import NoMeter
 from api.settings import Settings
+from api.tenancy.quota_gate import NoQuotas, Release
 from base_engine.outputs import RequestOutput
 
 
@@ -39,21 +43,33 @@ def test_hooks_see_what_the_client_sees(settings: Settings) -> None:
     drained: list[bool] = []
     refuse: dict[str, bool] = {"now": False}
 
-    def quota(ctx: RequestContext) -> Any:
-        if refuse["now"]:
-            raise APIError(
-                429, "quota rpm exceeded", code="rate_limit_exceeded", headers={"Retry-After": "2"}
-            )
-        assert ctx.estimated_tokens == ctx.num_prompt_tokens + ctx.max_new_tokens > 0
-        return released.append
+    class Quotas(NoQuotas):
+        def admit(self, ctx: RequestContext) -> Release:
+            if refuse["now"]:
+                raise APIError(
+                    429, "quota rpm exceeded", code="rate_limit_exceeded", headers={"Retry-After": "2"}
+                )
+            assert ctx.estimated_tokens == ctx.num_prompt_tokens + ctx.max_new_tokens > 0
+            return released.append
 
-    def on_finished(ctx: RequestContext, finals: list[RequestOutput]) -> None:
-        finished.append((ctx, compute_usage(finals, n=ctx.n)))
+    class Meter(NoMeter):
+        def begin(self, ctx: RequestContext) -> None:
+            admitted.append(ctx.request_id)
 
-    state.admission_checks.append(quota)
-    state.on_admitted.append(lambda ctx: admitted.append(ctx.request_id))
-    state.inflight.on_request_finished.append(on_finished)
-    state.on_drain.append(lambda: drained.append(True))
+        def finish(self, ctx: RequestContext, finals: list[RequestOutput]) -> None:
+            finished.append((ctx, compute_usage(finals, n=ctx.n)))
+
+        def stop(self) -> None:
+            drained.append(True)
+
+    state.inference.meter.stop()  # the server's own, replaced below
+    meter = Meter()
+    state.inference = dataclasses.replace(
+        state.inference,
+        quotas=Quotas(),
+        meter=meter,
+        inflight=InFlight(meter=meter, metrics=state.metrics),
+    )
     with TestClient(create_app(state)) as client:
         tenant = client.post(
             "/admin/api/tenants", json={"name": "seams"}, headers={"Authorization": "Bearer lsa-seams"}

@@ -69,28 +69,25 @@ def test_cache_salt_is_per_tenant_and_per_server() -> None:
 
 
 def test_503_after_the_quota_check_does_not_consume_the_tenants_limits() -> None:
-    """responses.admit: the quota check admits, the server's bound then refuses (503); the tenant's
+    """admission.admit: the quota check admits, the server's bound then refuses (503); the tenant's
     rpm/tpm/concurrency must come back whole, so its next request is judged as if this one never came."""
-    from types import SimpleNamespace
-
     from api.context import RequestContext
-    from api.inference.responses import admit
-    from api.metering.service import check_quota
+    from api.metering.request_meter import NoMeter
+    from api.tenancy.admission import admit
+    from api.tenancy.quota_gate import TenantQuotaGate
     from api.tenancy.quotas import QuotaLimiter
     from registry.types import TenantQuotas
 
-    limiter = QuotaLimiter(TenantQuotas(rpm=1, tpm=50, max_concurrent=1))
-    state = SimpleNamespace(
-        quotas=limiter, admission=Admission(max_in_flight=1), admission_checks=[], on_admitted=[]
-    )
-    state.admission_checks.append(lambda ctx: check_quota(state, ctx))
+    quotas = TenantQuotaGate(QuotaLimiter(TenantQuotas(rpm=1, tpm=50, max_concurrent=1)))
+    admission = Admission(max_in_flight=1)
     ctx = RequestContext(
         "r1", "completion", "t1", "tenant", "key", "base", num_prompt_tokens=20, max_new_tokens=30
     )
-    busy = state.admission.acquire(1)  # the server is full
+    busy = admission.acquire(1)  # the server is full
     with pytest.raises(APIError) as info:
-        admit(state, ctx, 1)
+        admit(quotas=quotas, admission=admission, meter=NoMeter(), ctx=ctx, num_requests=1)
     assert info.value.status == 503
     busy.release()
-    ticket = admit(state, ctx, 1)  # rpm 1 and tpm 50 still available: the 503 took nothing
+    # rpm 1 and tpm 50 still available: the 503 took nothing
+    ticket = admit(quotas=quotas, admission=admission, meter=NoMeter(), ctx=ctx, num_requests=1)
     ticket.release(None)

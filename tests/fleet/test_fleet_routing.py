@@ -101,9 +101,7 @@ def _app(events: list[str]) -> Starlette:
                     yield f"data: {i}\n\n".encode()
                     await asyncio.sleep(0.01)
             finally:
-                events.append(
-                    "generator closed"
-                )  # what aborts engine requests in api/inference/generation.py
+                events.append("generator closed")  # what aborts engine requests in api/inference/running.py
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 

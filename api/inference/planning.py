@@ -1,0 +1,186 @@
+"""Planning a completion (sync, in a worker thread): resolve `model` (the base model or the caller's
+own adapter, never another tenant's), tokenize, check parameters and context length, build one engine
+request per choice (derived seeds for n > 1, the tenant's cache salt), and its provenance
+(api/inference/provenance.py: a seed drawn when none was sent, `deterministic`). Every error here is
+a 4xx before any 200. Then, before admission, the adapter's files are fetched (`fetch_adapter`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session
+
+from api.context import RequestContext, RequestKind, new_request_id
+from api.deps import Caller
+from api.errors import APIError, model_not_found
+from api.inference.adapter_fetch import AdapterFetch, StoreUnreachable, adapter_unavailable
+from api.inference.protocol import ChatCompletionRequest, CompletionRequest
+from api.inference.provenance import request_provenance
+from api.inference.sampling import (
+    check_stream_options,
+    encode_chat_prompt,
+    encode_completion_prompts,
+    generation_defaults,
+    request_seed,
+    sampling_params,
+)
+from api.inference.services import Inference
+from api.inference.structured_outputs import request_grammar
+from api.inference.tools import ToolPlan, plan_tools
+from api.tenancy.keyfiles import tenant_cache_salt
+from base_engine.async_engine import AsyncEngine, EngineRequest
+from base_engine.constraints import CompiledGrammar
+from registry.adapters import resolve_adapter
+from registry.errors import NotFound, RegistryError
+from registry.types import AdapterVersionInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GenerationPlan:
+    ctx: RequestContext
+    requests: list[EngineRequest]  # index = choice index = prompt * n + j
+    stream: bool
+    include_usage: bool
+    num_top_logprobs: int | None  # None = no logprobs asked
+    tools: ToolPlan | None = None  # chat with `tools`: how to parse the output (api/inference/tools.py)
+    is_started: bool = False  # running began: from then on it reports every engine request's end
+
+
+def resolve_model(
+    *, model_name: str, session: Session, caller: Caller, model: str
+) -> AdapterVersionInfo | None:
+    """None for the base model, else the caller's own adapter version; 404 model_not_found otherwise."""
+    if model == model_name:
+        return None
+    try:
+        return resolve_adapter(session, tenant_id=caller.tenant.id, model=model)
+    except NotFound:
+        raise model_not_found(model) from None
+
+
+def plan_generation(
+    *,
+    inference: Inference,
+    session: Session,
+    caller: Caller,
+    body: CompletionRequest | ChatCompletionRequest,
+    kind: RequestKind,
+) -> GenerationPlan:
+    include_usage = check_stream_options(body)
+    engine = inference.engine
+    adapter = resolve_model(model_name=inference.model_name, session=session, caller=caller, model=body.model)
+    tools = None
+    if isinstance(body, ChatCompletionRequest):
+        tools = plan_tools(body, engine.tokenizer)
+        prompts = [encode_chat_prompt(engine.tokenizer, body, tools, engine.max_model_len)]
+    else:
+        prompts = encode_completion_prompts(engine, body)
+    grammar = request_grammar(engine, body, tools)  # compiled here, in this worker thread
+    ctx = RequestContext(
+        request_id=new_request_id(kind),
+        kind=kind,
+        tenant_id=caller.tenant.id,
+        tenant_name=caller.tenant.name,
+        key_prefix=caller.key_prefix,
+        model=body.model,
+        adapter_name=adapter.name if adapter else None,
+        adapter_version=adapter.version if adapter else None,
+        user=body.user,
+        quotas=caller.tenant.quotas,
+        num_prompts=len(prompts),
+        n=body.n or 1,
+        num_prompt_tokens=sum(len(p) for p in prompts),
+    )
+    seed = request_seed(body, inference.seeds)
+    deterministic = inference.is_deterministic or bool(body.deterministic)
+    if deterministic and (reason := engine.determinism_refusal()) is not None:
+        raise APIError(400, reason, param="deterministic", code="unsupported_value")
+    if inference.provenance is not None:
+        ctx.provenance = request_provenance(
+            inference.provenance, adapter, seed=seed, deterministic=deterministic
+        )
+    requests = _engine_requests(
+        engine=engine,
+        ctx=ctx,
+        body=body,
+        prompts=prompts,
+        adapter=adapter,
+        tools=tools,
+        grammar=grammar,
+        seed=seed,
+        deterministic=deterministic,
+        cache_salt=tenant_cache_salt(inference.server_secret, caller.tenant.id),
+    )
+    ctx.engine_request_ids = [r.request_id for r in requests]
+    ctx.max_new_tokens = sum(r.params.max_tokens for r in requests)
+    top = requests[0].params.logprobs
+    return GenerationPlan(ctx, requests, bool(body.stream), include_usage, top, tools)
+
+
+def _engine_requests(
+    *,
+    engine: AsyncEngine,
+    ctx: RequestContext,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    adapter: AdapterVersionInfo | None,
+    tools: ToolPlan | None,
+    grammar: CompiledGrammar | None,
+    seed: int | None,
+    deterministic: bool,
+    cache_salt: bytes,
+) -> list[EngineRequest]:
+    """One engine request per choice, each validated by the engine (400 when it would refuse it)."""
+    defaults = generation_defaults(engine.model_dir)
+    requests = []
+    for p, prompt_ids in enumerate(prompts):
+        for j in range(ctx.n):
+            params = sampling_params(
+                body,
+                num_prompt=len(prompt_ids),
+                max_model_len=engine.max_model_len,
+                index=j,
+                defaults=defaults,
+                constraint=grammar.new_constraint() if grammar is not None else None,
+                keep_special_tokens=tools is not None and tools.keeps_special_tokens,
+                seed=seed,
+                deterministic=deterministic,
+            )
+            request = EngineRequest(
+                request_id=ctx.engine_request_id(p * ctx.n + j),
+                prompt_token_ids=prompt_ids,
+                params=params,
+                adapter=adapter.ref if adapter else None,
+                tenant_id=ctx.tenant_id,
+                cache_salt=cache_salt,
+            )
+            try:
+                engine.validate(request)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
+            requests.append(request)
+    return requests
+
+
+async def fetch_adapter(
+    *, engine: AsyncEngine, adapter_fetch: AdapterFetch | None, plan: GenerationPlan
+) -> None:
+    """The files of an adapter the engine does not hold are fetched into the disk tier before the
+    request is admitted: an unreachable object store is a 503 before any 200 (streams included), and
+    no admission slot waits for a download."""
+    ref = plan.requests[0].adapter if plan.requests else None
+    if ref is None or adapter_fetch is None or ref.id in engine.adapter_residency():
+        return
+    try:
+        await adapter_fetch.ensure_local(ref)
+    except StoreUnreachable:
+        raise adapter_unavailable(plan.ctx.model) from None
+    except RegistryError as exc:  # deleted behind the registry's back, corrupt: not the caller's fault
+        logger.error("adapter %s cannot be fetched: %s", ref.id, exc)
+        raise APIError(
+            500, f"The adapter `{plan.ctx.model}` cannot be served now.", code="adapter_load_failed"
+        ) from None
