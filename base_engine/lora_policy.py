@@ -13,37 +13,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from adapters.cache import AdapterCache
 from base_engine.scheduler import AdmissionPolicy, SchedulerOutput
 from base_engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from base_engine.scheduler import Scheduler
 
 PROMPT_WEIGHT = 1.0  # VTC cost of a computed prompt token
 OUTPUT_WEIGHT = 2.0  # ... and of a generated token (decode is the costlier phase per token)
 
 
 class LoraAdmissionPolicy(AdmissionPolicy):
-    def __init__(self, cache: AdapterCache, scheduler: Scheduler, *, max_wait_s: float) -> None:
+    def __init__(self, cache: AdapterCache, *, max_wait_s: float) -> None:
         self.cache = cache
-        self.scheduler = scheduler
         self.max_wait_s = max_wait_s
         self.counters: dict[str | None, float] = {}
         self._overdue_blocked: Sequence | None = None
         self._active: set[str | None] = set()
 
-    def running_view(self) -> list[Sequence]:
-        return list(self.scheduler.running)
-
-    def waiting_view(self) -> list[Sequence]:
-        return list(self.scheduler.waiting)
-
-    def order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+    def order(self, waiting: Iterable[Sequence], running: list[Sequence]) -> list[Sequence]:
         waiting = list(waiting)
-        self._lift_returning_tenants(waiting)
+        self._lift_returning_tenants(waiting, running)
         now = time.monotonic()
         self._overdue_blocked = None
 
@@ -57,8 +46,8 @@ class LoraAdmissionPolicy(AdmissionPolicy):
 
         return sorted(waiting, key=key)
 
-    def _lift_returning_tenants(self, waiting: list[Sequence]) -> None:
-        active = {s.tenant_id for s in self.scheduler.running} | {s.tenant_id for s in waiting}
+    def _lift_returning_tenants(self, waiting: list[Sequence], running: list[Sequence]) -> None:
+        active = {s.tenant_id for s in running} | {s.tenant_id for s in waiting}
         staying = [self.counters[t] for t in active & self._active if t in self.counters]
         floor = min(staying) if staying else 0.0
         for tenant in active - self._active:  # back from idle (or new): no banked credit

@@ -48,7 +48,8 @@ class AdmissionPolicy:
     replaces it; it is also told when requests start and which tokens were scheduled.
     """
 
-    def order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+    def order(self, waiting: Iterable[Sequence], running: list[Sequence]) -> list[Sequence]:
+        """The order in which waiting requests are considered (`running`: who runs now)."""
         return list(waiting)
 
     def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool:
@@ -127,7 +128,7 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        for seq in self.policy.order(self.waiting):
+        for seq in self.policy.order(self.waiting, self.running):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if not self.policy.can_admit(seq, self.running):

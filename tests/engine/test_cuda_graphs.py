@@ -12,7 +12,6 @@ from adapters.testing import save_random_adapter
 from base_engine import SamplingParams
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
-from base_engine.lora import make_decode_graphs
 from base_engine.model.config import load_model_config
 from base_engine.runner.cuda_graphs import bucket_sizes
 from tests.engine.conftest import random_prompts
@@ -42,7 +41,7 @@ def _run(model_dir: Path, adapters: list[Path], *, graphs: bool) -> tuple[dict, 
     cache.poll()
     replays = {"n": 0}
     if graphs:
-        engine.runner.graphs = make_decode_graphs(engine, capture=False)
+        engine.runner.graphs = engine.make_decode_graphs(capture=False)
         real = engine.runner.graphs.replay
 
         def counting(batch):
