@@ -27,10 +27,11 @@ from base_engine.postprocess import finish_output, step_output, stop_reason
 from base_engine.runner.cuda_graphs import DecodeGraphs
 from base_engine.runner.device import check_device, resolve_dtype
 from base_engine.runner.kv_sizing import plan_memory
-from base_engine.runner.model_runner import ModelRunner, StepBatch, StepResult, allocate_kv_caches
+from base_engine.runner.model_runner import ModelRunner, allocate_kv_caches
+from base_engine.runner.step import StepBatch, StepResult
 from base_engine.sampler import Sampler, SamplingRow
 from base_engine.sampling_params import SamplingParams
-from base_engine.scheduler import ScheduledSeq, Scheduler
+from base_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from base_engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,10 @@ class LLMEngine:
         self.determinism = Determinism(
             model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
         )
+        # Decode-only steps replay these on CUDA (None: every step runs eagerly).
+        self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.config.enable_cuda_graphs and self.runner.use_paged:
-            self.runner.graphs = self.make_decode_graphs(capture=True)
+            self.graphs = self.make_decode_graphs(capture=True)
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
         self.num_steps = 0
@@ -213,14 +216,9 @@ class LLMEngine:
             return outputs
         self.num_steps += 1
         invariant = self.determinism.always or any(item.seq.deterministic for item in sched.scheduled)
-        batch = self.runner.prepare(sched, invariant=invariant)
+        batch = self._prepare(sched, invariant=invariant)
         self.runner.clear_blocks(self.block_manager.take_fresh_blocks())
-        lora_batch = (
-            None
-            if batch.graph_bucket is not None
-            else self.lora.prepare_step(batch.row_slots, invariant=invariant)
-        )
-        result = self.runner.execute(batch, lora_batch)
+        result = self._run_model(batch, invariant=invariant)
         sampled = self._sample(batch, result)
         is_finite = result.is_finite.tolist()  # read with the sampled ids: no extra wait
         for item, ok in zip(batch.order, is_finite, strict=True):
@@ -235,6 +233,21 @@ class LLMEngine:
             if not item.seq.is_finished:
                 outputs.append(self._append_token(item.seq, token_id, logprobs))
         return outputs
+
+    def _prepare(self, sched: SchedulerOutput, *, invariant: bool) -> StepBatch:
+        """A decode-only step a CUDA graph covers fills that graph's buffers; any other (and every
+        deterministic step) is flattened by the runner."""
+        if self.graphs is not None and not invariant:
+            batch = self.graphs.prepare(sched)
+            if batch is not None:
+                return batch
+        return self.runner.prepare(sched, invariant=invariant)
+
+    def _run_model(self, batch: StepBatch, *, invariant: bool) -> StepResult:
+        if batch.graph_bucket is not None and self.graphs is not None:
+            return self.graphs.replay(batch)  # its LoRA metadata lives in the graph's static buffers
+        lora_batch = self.lora.prepare_step(batch.row_slots, invariant=invariant)
+        return self.runner.execute(batch, lora_batch)
 
     def _fail_unloadable(self) -> list[RequestOutput]:
         """Waiting requests whose adapter cannot be loaded end with the loader's error."""
