@@ -100,6 +100,8 @@ class LoraManager:
             error = self.cache.error(seq.adapter)
             if error is not None:
                 failures.append(AdapterFailure(seq.request_id, error))
+            elif self.cache.has_failed(seq.adapter):
+                self.cache.request_load(seq.adapter)  # the pause after a transient failure is over
         return failures
 
     def prepare_step(self, row_slots: list[int], *, invariant: bool = False) -> LoraStepBatch | None:
