@@ -20,6 +20,7 @@ from adapters.loader import Fetch
 from adapters.slots import SlotPool
 from adapters.types import AdapterRef, BaseModelShapes
 from base_engine.lora_policy import LoraAdmissionPolicy
+from base_engine.outputs import AdapterCacheStats, AdapterRequests
 from base_engine.sequence import Sequence
 from kernels.sgmv import SgmvMeta, add_lora, build_meta
 
@@ -129,33 +130,39 @@ class LoraManager:
     def unpin(self, ref: AdapterRef) -> None:
         self.cache.unpin(ref)
 
-    def stats(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> dict[str, object]:
+    def stats(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> AdapterCacheStats:
         s = self.cache.stats
-        per_adapter: dict[str, dict[str, int]] = {}
-        for seq_list, key in ((running, "running"), (waiting, "waiting")):
-            for seq in seq_list:
-                if seq.adapter is not None:
-                    entry = per_adapter.setdefault(seq.adapter.id, {"running": 0, "waiting": 0})
-                    entry[key] += 1
         residency = self.cache.residency()
-        return {
-            "gpu_bytes": sum(self.cache.host_bytes.get(i, 0) for i in self.cache.slot_of),
-            "gpu_pool_bytes": self.cache.pool.num_bytes,
-            "cpu_bytes": sum(self.cache.host_bytes.values()),
-            "num_slots": self.cache.pool.num_slots,
-            "num_gpu": sum(1 for t in residency.values() if t == "gpu"),
-            "num_cpu": len(self.cache.host),
-            "residency": residency,
-            "pinned": sorted(self.cache.pinned),
-            "loads": s.num_loads,
-            "load_seconds": s.load_seconds,
-            "load_failures": s.num_load_failures,
-            "hits": s.num_hits,
-            "misses": s.num_misses,
-            "evictions": s.num_evictions,
-            "cpu_evictions": s.num_cpu_evictions,
-            "per_adapter": per_adapter,
-        }
+        return AdapterCacheStats(
+            gpu_bytes=sum(self.cache.host_bytes.get(i, 0) for i in self.cache.slot_of),
+            gpu_pool_bytes=self.cache.pool.num_bytes,
+            cpu_bytes=sum(self.cache.host_bytes.values()),
+            num_slots=self.cache.pool.num_slots,
+            num_gpu=sum(1 for t in residency.values() if t == "gpu"),
+            num_cpu=len(self.cache.host),
+            residency=residency,
+            pinned=sorted(self.cache.pinned),
+            loads=s.num_loads,
+            load_seconds=s.load_seconds,
+            load_failures=s.num_load_failures,
+            hits=s.num_hits,
+            misses=s.num_misses,
+            evictions=s.num_evictions,
+            cpu_evictions=s.num_cpu_evictions,
+            per_adapter=_requests_per_adapter(running, waiting),
+        )
+
+
+def _requests_per_adapter(
+    running: Iterable[Sequence], waiting: Iterable[Sequence]
+) -> dict[str, AdapterRequests]:
+    """ref.id -> its running and waiting requests (adapters with none are absent), in first-seen order."""
+    counts: dict[str, list[int]] = {}
+    for index, seqs in enumerate((running, waiting)):
+        for seq in seqs:
+            if seq.adapter is not None:
+                counts.setdefault(seq.adapter.id, [0, 0])[index] += 1
+    return {ref_id: AdapterRequests(running=r, waiting=w) for ref_id, (r, w) in counts.items()}
 
 
 def make_lora_manager(
