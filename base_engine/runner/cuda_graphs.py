@@ -164,6 +164,7 @@ class DecodeGraphs:
         host = torch.tensor(values, dtype=torch.long)
         return host.pin_memory() if self.device.type == "cuda" else host
 
+    @torch.inference_mode()
     def replay(self, batch: StepBatch) -> StepResult:
         bucket = next(b for b in self.buckets if b.size == batch.graph_bucket)
         n = len(batch.order)
