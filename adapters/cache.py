@@ -3,21 +3,22 @@
 Tiers: device slots (`max_loras`, fixed tensors, see slots.py) <- host tier (`max_cpu_loras` parsed
 adapters) <- `fetch(ref) -> local dir` (the registry's disk tier in the server, the path offline).
 Loading (fetch, parse, validate, convert) runs in the background (loader.py: small pools, deadlines,
-retries with backoff); the engine thread only copies a host-tier adapter into a free slot. Eviction is
-LRU among slots that no in-flight request pins and the operator has not pinned (S-LoRA's unified
-cache, without paging: slots are fixed-size).
+retries with backoff); the engine thread only copies a host-tier adapter into a free slot. The cache
+owns the slot tensors and the pins and decides which slots may be evicted (no in-flight request
+holds them, the operator has not pinned them); an eviction policy (eviction.py, LRU by default)
+picks the victim among those (S-LoRA's unified cache, without paging: slots are fixed-size).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from adapters.eviction import EvictionPolicy, LruEviction
 from adapters.format import LoraAdapter, load_adapter
 from adapters.loader import AdapterLoader, Fetch, PendingLoad
 from adapters.slots import SlotPool
@@ -41,7 +42,6 @@ class CacheStats:
 class _Slot:
     ref: AdapterRef | None = None
     num_requests: int = 0  # in-flight requests pinning it
-    last_used: float = 0.0
 
 
 class AdapterCache:
@@ -55,6 +55,7 @@ class AdapterCache:
         max_cpu_loras: int,
         dtype: torch.dtype,
         device: torch.device,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self.base = base
         self.fetch = fetch
@@ -64,6 +65,7 @@ class AdapterCache:
         self.device = device
         self.pool = SlotPool(base, num_slots=max_loras, max_rank=max_lora_rank, dtype=dtype, device=device)
         self.slots = [_Slot() for _ in range(max_loras)]
+        self.eviction = eviction or LruEviction()
         self.slot_of: dict[str, int] = {}  # ref.id -> device slot
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # ref.id -> parsed adapter, LRU order
         self.host_bytes: dict[str, int] = {}  # ref.id -> bytes of its factors, computed once at load
@@ -85,11 +87,13 @@ class AdapterCache:
         return out
 
     def error(self, ref: AdapterRef) -> str | None:
-        """Why `ref` cannot be served now, or None (loaded, loading, or a lapsed failure retried now)."""
-        message = self.loader.error(ref)
-        if message is None and ref.id in self.loader.failed:
-            self.request_load(ref)  # the pause after a transient failure is over: try again
-        return message
+        """Why `ref` cannot be served now, or None (loaded, loading, or a failure whose pause is over:
+        `has_failed` tells that case, and `request_load` tries again)."""
+        return self.loader.error(ref)
+
+    def has_failed(self, ref: AdapterRef) -> bool:
+        """The last load of `ref` failed (transient or not) and no load has started since."""
+        return ref.id in self.loader.failed
 
     def retry_after_s(self, ref: AdapterRef) -> float | None:
         """After a transient load failure: seconds until the next try (what a 503 tells clients)."""
@@ -139,11 +143,18 @@ class AdapterCache:
             self.stats.num_cpu_evictions += 1
 
     def _free_idle_slot(self) -> str | None:
-        """Empties the least recently used idle, unpinned slot; the id it held, or None."""
-        idle = [i for i, s in enumerate(self.slots) if s.ref is not None and self._is_evictable(s)]
-        if not idle:
+        """Empties the idle, unpinned slot the eviction policy picks; the id it held, or None."""
+        slot = self.eviction.victim(self._evictable_slots())
+        if slot is None:
             return None
-        slot = min(idle, key=lambda i: self.slots[i].last_used)
+        return self._evict_slot(slot)
+
+    def _evictable_slots(self) -> list[int]:
+        """Occupied slots no in-flight request holds and the operator has not pinned, in slot order."""
+        return [i for i, s in enumerate(self.slots) if s.ref is not None and self._is_evictable(s)]
+
+    def _evict_slot(self, slot: int) -> str:
+        """Empties an occupied slot; the id it held."""
         ref = self.slots[slot].ref
         assert ref is not None
         del self.slot_of[ref.id]
@@ -152,6 +163,15 @@ class AdapterCache:
         return ref.id
 
     # ---- device slots -------------------------------------------------------------------------
+
+    def can_acquire(self, ref: AdapterRef) -> bool:
+        """`acquire(ref)` would give a slot now: it holds one, or it is in the host tier and a slot is
+        empty or evictable."""
+        if ref.id in self.slot_of:
+            return True
+        if ref.id not in self.host:
+            return False
+        return any(s.ref is None for s in self.slots) or bool(self._evictable_slots())
 
     def acquire(self, ref: AdapterRef) -> int | None:
         """Slot for one new in-flight request of `ref`, copying it in if needed; None = not now."""
@@ -170,9 +190,8 @@ class AdapterCache:
         else:
             self.stats.num_hits += 1
         self.host.move_to_end(ref.id)
-        state = self.slots[slot]
-        state.num_requests += 1
-        state.last_used = time.monotonic()
+        self.slots[slot].num_requests += 1
+        self.eviction.touch(slot)
         return slot
 
     def release(self, slot: int) -> None:
@@ -181,22 +200,19 @@ class AdapterCache:
         if state.num_requests <= 0:
             raise RuntimeError(f"adapter slot {slot} released more often than acquired")
         state.num_requests -= 1
-        state.last_used = time.monotonic()
+        self.eviction.touch(slot)
 
     def _is_evictable(self, state: _Slot) -> bool:
         return state.ref is None or (state.num_requests == 0 and state.ref.id not in self.pinned)
 
     def _free_slot(self) -> int | None:
-        candidates = [i for i, s in enumerate(self.slots) if self._is_evictable(s)]
-        if not candidates:
-            return None
-        empty = [i for i in candidates if self.slots[i].ref is None]
-        slot = empty[0] if empty else min(candidates, key=lambda i: self.slots[i].last_used)
-        old = self.slots[slot].ref
-        if old is not None:
-            del self.slot_of[old.id]
-            self.stats.num_evictions += 1
-        self.slots[slot] = _Slot()
+        """An empty slot (the first), else the one the eviction policy empties; None: all are held."""
+        empty = next((i for i, s in enumerate(self.slots) if s.ref is None), None)
+        if empty is not None:
+            return empty
+        slot = self.eviction.victim(self._evictable_slots())
+        if slot is not None:
+            self._evict_slot(slot)
         return slot
 
     # ---- operator pins ------------------------------------------------------------------------

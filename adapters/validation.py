@@ -40,7 +40,7 @@ def validate_adapter(
         )
     if max_lora_rank <= 0 or max_size_bytes <= 0:
         raise AdapterValidationError(f"limits must be positive: {max_lora_rank=}, {max_size_bytes=}")
-    # Mapped, not read: validation copies no weight byte into memory (issue 13: uploads amplified memory).
+    # Mapped, not read: validation copies no weight byte into memory (an upload never costs its size in RAM).
     files = read_adapter_files(Path(adapter_dir), max_size_bytes=max_size_bytes, mapped=True)
     try:
         adapter = parse_adapter(files, base=base, dtype=dtype, max_lora_rank=max_lora_rank)

@@ -240,8 +240,7 @@ class AsyncEngine:
 
     def adapter_residency(self) -> dict[str, str]:
         """ref.id -> "gpu" | "cpu", as of the last step (absent: not loaded in this engine)."""
-        residency = self._stats.adapters.get("residency", {})
-        return dict(residency) if isinstance(residency, dict) else {}
+        return dict(self._stats.adapters.residency)
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._deliver_all([self.engine.abort(request_id)]))

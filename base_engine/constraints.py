@@ -30,14 +30,11 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from base_engine.sampler import SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -262,17 +259,20 @@ def allowed_tokens(constraints: Sequence[GrammarConstraint], vocab: int) -> Tens
 
 
 def apply_constraints(
-    logits: Tensor, rows: Sequence[SamplingRow], idx: Sequence[int], *, copy: bool
+    logits: Tensor,
+    idx: Sequence[int],
+    constraints: Sequence[GrammarConstraint],
+    output_ids: Sequence[Sequence[int]],
+    *,
+    copy: bool,
 ) -> Tensor:
     """Sets the logits of tokens a row's grammar forbids to -inf, for the rows ``idx`` only.
 
+    ``constraints[j]`` and ``output_ids[j]`` (the request's tokens so far) belong to row ``idx[j]``.
     ``copy``: write into a copy (the caller still needs ``logits`` unmasked), else in place.
     """
-    constraints: list[GrammarConstraint] = []
-    for i in idx:
-        c = rows[i].params.constraint
-        c.sync(rows[i].output_token_ids)
-        constraints.append(c)
+    for constraint, tokens in zip(constraints, output_ids, strict=True):
+        constraint.sync(tokens)
     allowed = allowed_tokens(constraints, logits.shape[1])
     empty = ~allowed.any(dim=1)
     if bool(empty.any()):  # cannot happen with a consistent matcher; end the row rather than sample noise
@@ -285,7 +285,7 @@ def apply_constraints(
     return out
 
 
-def advance_constraints(rows: Sequence[SamplingRow], idx: Sequence[int], token_ids: Sequence[int]) -> None:
-    """Each constrained row's matcher consumes the token just drawn for it."""
-    for i in idx:
-        rows[i].params.constraint.accept(int(token_ids[i]))
+def advance_constraints(constraints: Sequence[GrammarConstraint], token_ids: Sequence[int]) -> None:
+    """Each matcher consumes the token just drawn for its row (``token_ids[j]`` for ``constraints[j]``)."""
+    for constraint, token_id in zip(constraints, token_ids, strict=True):
+        constraint.accept(int(token_id))

@@ -17,24 +17,24 @@ from base_engine.block_manager import BlockManager
 from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
 from base_engine.invariant import Determinism
-from base_engine.lora import make_decode_graphs, make_lora_manager
+from base_engine.lora import LoraStepBatch, make_lora_manager
 from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
 from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
 from base_engine.outputs import EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
+from base_engine.runner.cuda_graphs import DecodeGraphs
 from base_engine.runner.device import check_device, resolve_dtype
 from base_engine.runner.kv_sizing import plan_memory
-from base_engine.runner.model_runner import ModelRunner, StepBatch, StepResult, allocate_kv_caches
+from base_engine.runner.model_runner import ModelRunner, allocate_kv_caches
+from base_engine.runner.step import StepBatch, StepResult
 from base_engine.sampler import Sampler, SamplingRow
 from base_engine.sampling_params import SamplingParams
-from base_engine.scheduler import ScheduledSeq, Scheduler
+from base_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from base_engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-# DTYPES and check_device moved to base_engine/runner/device.py; the CLI still imports them from here.
 
 
 class LLMEngine:
@@ -69,11 +69,22 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
+        self.lora = make_lora_manager(
+            self.model_config.base_shapes(),
+            max_loras=self.config.max_loras,
+            max_lora_rank=self.config.max_lora_rank,
+            max_cpu_loras=self.config.max_cpu_loras,
+            max_wait_s=self.config.max_wait_s,
+            dtype=self.dtype,
+            device=self.device,
+            fetch=fetch,
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_chunked_prefill=self.config.enable_chunked_prefill,
+            policy=self.lora.policy,
         )
         self.runner = ModelRunner(
             model,
@@ -88,9 +99,10 @@ class LLMEngine:
         self.determinism = Determinism(
             model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
         )
-        self.lora = make_lora_manager(self, fetch)
+        # Decode-only steps replay these on CUDA (None: every step runs eagerly).
+        self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.config.enable_cuda_graphs and self.runner.use_paged:
-            self.runner.graphs = make_decode_graphs(self, capture=True)
+            self.graphs = self.make_decode_graphs(capture=True)
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
         self.num_steps = 0
@@ -112,6 +124,17 @@ class LLMEngine:
                 f"({max_len}) when chunked prefill is off, or no long prompt could ever be scheduled"
             )
         return max_len
+
+    def make_decode_graphs(self, *, capture: bool) -> DecodeGraphs:
+        """Decode CUDA graphs over the runner and the adapter slot pool (capture=False: eager replay)."""
+        return DecodeGraphs(
+            self.runner,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            lora_pool=self.lora.cache.pool,
+            make_lora_batch=LoraStepBatch,
+            capture=capture,
+        )
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -184,7 +207,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self.step_request_ids = []
-        outputs = self.lora.before_step(self)
+        outputs = self._fail_unloadable()
         sched = self.scheduler.schedule()
         self.step_request_ids = [item.seq.request_id for item in sched.scheduled]
         for seq in sched.overflowed:
@@ -193,14 +216,9 @@ class LLMEngine:
             return outputs
         self.num_steps += 1
         invariant = self.determinism.always or any(item.seq.deterministic for item in sched.scheduled)
-        batch = self.runner.prepare(sched, invariant=invariant)
+        batch = self._prepare(sched, invariant=invariant)
         self.runner.clear_blocks(self.block_manager.take_fresh_blocks())
-        lora_batch = (
-            None
-            if batch.graph_bucket is not None
-            else self.lora.prepare_step(batch.row_slots, invariant=invariant)
-        )
-        result = self.runner.execute(batch, lora_batch)
+        result = self._run_model(batch, invariant=invariant)
         sampled = self._sample(batch, result)
         is_finite = result.is_finite.tolist()  # read with the sampled ids: no extra wait
         for item, ok in zip(batch.order, is_finite, strict=True):
@@ -214,6 +232,30 @@ class LLMEngine:
         for item, token_id, logprobs in sampled:
             if not item.seq.is_finished:
                 outputs.append(self._append_token(item.seq, token_id, logprobs))
+        return outputs
+
+    def _prepare(self, sched: SchedulerOutput, *, invariant: bool) -> StepBatch:
+        """A decode-only step a CUDA graph covers fills that graph's buffers; any other (and every
+        deterministic step) is flattened by the runner."""
+        if self.graphs is not None and not invariant:
+            batch = self.graphs.prepare(sched)
+            if batch is not None:
+                return batch
+        return self.runner.prepare(sched, invariant=invariant)
+
+    def _run_model(self, batch: StepBatch, *, invariant: bool) -> StepResult:
+        if batch.graph_bucket is not None and self.graphs is not None:
+            return self.graphs.replay(batch)  # its LoRA metadata lives in the graph's static buffers
+        lora_batch = self.lora.prepare_step(batch.row_slots, invariant=invariant)
+        return self.runner.execute(batch, lora_batch)
+
+    def _fail_unloadable(self) -> list[RequestOutput]:
+        """Waiting requests whose adapter cannot be loaded end with the loader's error."""
+        outputs: list[RequestOutput] = []
+        for failure in self.lora.before_step(self.scheduler.waiting):
+            out = self.fail(failure.request_id, failure.error)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def _sample(
@@ -282,5 +324,5 @@ class LLMEngine:
             num_prefix_queries=bm.num_prefix_queries,
             num_prefix_hits=bm.num_prefix_hits,
             num_steps=self.num_steps,
-            adapters=self.lora.stats(),
+            adapters=self.lora.stats(self.scheduler.running, self.scheduler.waiting),
         )

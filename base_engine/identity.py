@@ -1,4 +1,4 @@
-"""A read-only description of a running engine: what an answer's provenance names (issue 18).
+"""A read-only description of a running engine: what an answer's provenance names.
 
 Built from the engine's public attributes and config only; it changes nothing and is read once at
 start-up. Two answers can only be expected to be bitwise equal when every field here is equal (and

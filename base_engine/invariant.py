@@ -1,4 +1,4 @@
-"""Batch-invariant execution (issue 18): a request's bits do not depend on what shares its steps.
+"""Batch-invariant execution: a request's bits do not depend on what shares its steps.
 
 A step that holds a `deterministic` request (or every step, with `EngineConfig.deterministic`) runs
 kernels whose reduction order depends only on the row itself:

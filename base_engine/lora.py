@@ -9,23 +9,20 @@ all sharing one `SgmvMeta` built once per step.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
 from adapters.cache import AdapterCache
 from adapters.loader import Fetch
 from adapters.slots import SlotPool
-from adapters.types import AdapterRef
+from adapters.types import AdapterRef, BaseModelShapes
 from base_engine.lora_policy import LoraAdmissionPolicy
-from base_engine.outputs import RequestOutput
+from base_engine.outputs import AdapterCacheStats, AdapterRequests
 from base_engine.sequence import Sequence
 from kernels.sgmv import SgmvMeta, add_lora, build_meta
-
-if TYPE_CHECKING:
-    from base_engine.engine import LLMEngine
-    from base_engine.runner.cuda_graphs import DecodeGraphs
 
 
 class LocalFetch:
@@ -39,6 +36,13 @@ class LocalFetch:
 
 
 local_fetch = LocalFetch()
+
+
+class AdapterFailure(NamedTuple):
+    """A waiting request whose adapter cannot be served: the engine fails it with `error`."""
+
+    request_id: str
+    error: str
 
 
 class LoraStepBatch:
@@ -87,19 +91,19 @@ class LoraManager:
         self.cache.poll()
         self.cache.place_pinned()
 
-    def before_step(self, engine: LLMEngine) -> list[RequestOutput]:
-        """Housekeeping, then fail the waiting requests whose adapter failed to load."""
+    def before_step(self, waiting: Iterable[Sequence]) -> list[AdapterFailure]:
+        """Housekeeping, then the waiting requests whose adapter failed to load (the engine fails them)."""
         self.housekeeping()
-        outputs: list[RequestOutput] = []
-        for seq in list(engine.scheduler.waiting):
+        failures: list[AdapterFailure] = []
+        for seq in waiting:
             if seq.adapter is None or seq.adapter_slot >= 0:
                 continue
             error = self.cache.error(seq.adapter)
             if error is not None:
-                out = engine.fail(seq.request_id, error)
-                if out is not None:
-                    outputs.append(out)
-        return outputs
+                failures.append(AdapterFailure(seq.request_id, error))
+            elif self.cache.has_failed(seq.adapter):
+                self.cache.request_load(seq.adapter)  # the pause after a transient failure is over
+        return failures
 
     def prepare_step(self, row_slots: list[int], *, invariant: bool = False) -> LoraStepBatch | None:
         if all(s < 0 for s in row_slots):
@@ -126,64 +130,63 @@ class LoraManager:
     def unpin(self, ref: AdapterRef) -> None:
         self.cache.unpin(ref)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> AdapterCacheStats:
         s = self.cache.stats
-        per_adapter: dict[str, dict[str, int]] = {}
-        for seq_list, key in (
-            (self.policy.running_view(), "running"),
-            (self.policy.waiting_view(), "waiting"),
-        ):
-            for seq in seq_list:
-                if seq.adapter is not None:
-                    entry = per_adapter.setdefault(seq.adapter.id, {"running": 0, "waiting": 0})
-                    entry[key] += 1
         residency = self.cache.residency()
-        return {
-            "gpu_bytes": sum(self.cache.host_bytes.get(i, 0) for i in self.cache.slot_of),
-            "gpu_pool_bytes": self.cache.pool.num_bytes,
-            "cpu_bytes": sum(self.cache.host_bytes.values()),
-            "num_slots": self.cache.pool.num_slots,
-            "num_gpu": sum(1 for t in residency.values() if t == "gpu"),
-            "num_cpu": len(self.cache.host),
-            "residency": residency,
-            "pinned": sorted(self.cache.pinned),
-            "loads": s.num_loads,
-            "load_seconds": s.load_seconds,
-            "load_failures": s.num_load_failures,
-            "hits": s.num_hits,
-            "misses": s.num_misses,
-            "evictions": s.num_evictions,
-            "cpu_evictions": s.num_cpu_evictions,
-            "per_adapter": per_adapter,
-        }
+        return AdapterCacheStats(
+            gpu_bytes=sum(self.cache.host_bytes.get(i, 0) for i in self.cache.slot_of),
+            gpu_pool_bytes=self.cache.pool.num_bytes,
+            cpu_bytes=sum(self.cache.host_bytes.values()),
+            num_slots=self.cache.pool.num_slots,
+            num_gpu=sum(1 for t in residency.values() if t == "gpu"),
+            num_cpu=len(self.cache.host),
+            residency=residency,
+            pinned=sorted(self.cache.pinned),
+            loads=s.num_loads,
+            load_seconds=s.load_seconds,
+            load_failures=s.num_load_failures,
+            hits=s.num_hits,
+            misses=s.num_misses,
+            evictions=s.num_evictions,
+            cpu_evictions=s.num_cpu_evictions,
+            per_adapter=_requests_per_adapter(running, waiting),
+        )
 
 
-def make_lora_manager(engine: LLMEngine, fetch: Fetch | None) -> LoraManager:
-    cfg = engine.config
-    num_slots = cfg.max_loras  # on CUDA reserved before the KV cache was sized (kv_sizing.plan_memory)
+def _requests_per_adapter(
+    running: Iterable[Sequence], waiting: Iterable[Sequence]
+) -> dict[str, AdapterRequests]:
+    """ref.id -> its running and waiting requests (adapters with none are absent), in first-seen order."""
+    counts: dict[str, list[int]] = {}
+    for index, seqs in enumerate((running, waiting)):
+        for seq in seqs:
+            if seq.adapter is not None:
+                counts.setdefault(seq.adapter.id, [0, 0])[index] += 1
+    return {ref_id: AdapterRequests(running=r, waiting=w) for ref_id, (r, w) in counts.items()}
+
+
+def make_lora_manager(
+    base: BaseModelShapes,
+    *,
+    max_loras: int,
+    max_lora_rank: int,
+    max_cpu_loras: int,
+    max_wait_s: float,
+    dtype: torch.dtype,
+    device: torch.device,
+    fetch: Fetch | None,
+) -> LoraManager:
+    """The adapter cache over the base model's shapes and its admission policy (given to the scheduler).
+
+    On CUDA the `max_loras` device slots were reserved before the KV cache was sized
+    (kv_sizing.plan_memory)."""
     cache = AdapterCache(
-        engine.model_config.base_shapes(),
+        base,
         fetch=fetch or local_fetch,
-        max_loras=num_slots,
-        max_lora_rank=cfg.max_lora_rank,
-        max_cpu_loras=cfg.max_cpu_loras,
-        dtype=engine.dtype,
-        device=engine.device,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_cpu_loras=max_cpu_loras,
+        dtype=dtype,
+        device=device,
     )
-    policy = LoraAdmissionPolicy(cache, engine.scheduler, max_wait_s=cfg.max_wait_s)
-    engine.scheduler.policy = policy
-    return LoraManager(cache, policy)
-
-
-def make_decode_graphs(engine: LLMEngine, *, capture: bool) -> DecodeGraphs:
-    """Decode CUDA graphs over the engine's runner and adapter slot pool (capture=False: eager replay)."""
-    from base_engine.runner.cuda_graphs import DecodeGraphs
-
-    return DecodeGraphs(
-        engine.runner,
-        max_num_seqs=engine.config.max_num_seqs,
-        max_model_len=engine.max_model_len,
-        lora_pool=engine.lora.cache.pool,
-        make_lora_batch=LoraStepBatch,
-        capture=capture,
-    )
+    return LoraManager(cache, LoraAdmissionPolicy(cache, max_wait_s=max_wait_s))

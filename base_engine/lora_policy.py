@@ -13,37 +13,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from adapters.cache import AdapterCache
 from base_engine.scheduler import AdmissionPolicy, SchedulerOutput
 from base_engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from base_engine.scheduler import Scheduler
 
 PROMPT_WEIGHT = 1.0  # VTC cost of a computed prompt token
 OUTPUT_WEIGHT = 2.0  # ... and of a generated token (decode is the costlier phase per token)
 
 
 class LoraAdmissionPolicy(AdmissionPolicy):
-    def __init__(self, cache: AdapterCache, scheduler: Scheduler, *, max_wait_s: float) -> None:
+    def __init__(self, cache: AdapterCache, *, max_wait_s: float) -> None:
         self.cache = cache
-        self.scheduler = scheduler
         self.max_wait_s = max_wait_s
         self.counters: dict[str | None, float] = {}
         self._overdue_blocked: Sequence | None = None
         self._active: set[str | None] = set()
 
-    def running_view(self) -> list[Sequence]:
-        return list(self.scheduler.running)
-
-    def waiting_view(self) -> list[Sequence]:
-        return list(self.scheduler.waiting)
-
-    def order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+    def order(self, waiting: Iterable[Sequence], running: list[Sequence]) -> list[Sequence]:
         waiting = list(waiting)
-        self._lift_returning_tenants(waiting)
+        self._lift_returning_tenants(waiting, running)
         now = time.monotonic()
         self._overdue_blocked = None
 
@@ -57,8 +46,8 @@ class LoraAdmissionPolicy(AdmissionPolicy):
 
         return sorted(waiting, key=key)
 
-    def _lift_returning_tenants(self, waiting: list[Sequence]) -> None:
-        active = {s.tenant_id for s in self.scheduler.running} | {s.tenant_id for s in waiting}
+    def _lift_returning_tenants(self, waiting: list[Sequence], running: list[Sequence]) -> None:
+        active = {s.tenant_id for s in running} | {s.tenant_id for s in waiting}
         staying = [self.counters[t] for t in active & self._active if t in self.counters]
         floor = min(staying) if staying else 0.0
         for tenant in active - self._active:  # back from idle (or new): no banked credit
@@ -66,20 +55,39 @@ class LoraAdmissionPolicy(AdmissionPolicy):
         self._active = active
 
     def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Its adapter can get a device slot now (and free slots are not kept for an overdue request)."""
         ref = seq.adapter
         if ref is None or seq.adapter_slot >= 0:
             return True
-        is_resident = ref.id in self.cache.slot_of
-        blocked = self._overdue_blocked
-        if blocked is not None and blocked is not seq and not is_resident:
-            return False  # free slots are kept for the overdue request
+        if self._is_held_for_overdue(seq):
+            return False
+        return self.cache.can_acquire(ref)
+
+    def admit(self, seq: Sequence) -> None:
+        """Takes the slot `can_admit` found (given back by `on_not_admitted` if the request cannot start)."""
+        ref = seq.adapter
+        if ref is None or seq.adapter_slot >= 0:
+            return
         slot = self.cache.acquire(ref)
         if slot is None:
-            if blocked is None and time.monotonic() - seq.times.arrival > self.max_wait_s:
-                self._overdue_blocked = seq
-            return False
+            raise RuntimeError(f"adapter {ref.id} got no slot right after can_admit said it would")
         seq.adapter_slot = slot
-        return True
+
+    def on_refused(self, seq: Sequence) -> None:
+        """`can_admit` said no: load a missing adapter; an overdue request that found every slot held
+        keeps free slots for itself from now on, so they drain to it."""
+        ref = seq.adapter
+        if ref is None or self._is_held_for_overdue(seq):
+            return
+        self.cache.request_load(ref)  # no-op when it is in the host tier, loading or refused
+        if self._overdue_blocked is None and time.monotonic() - seq.times.arrival > self.max_wait_s:
+            self._overdue_blocked = seq
+
+    def _is_held_for_overdue(self, seq: Sequence) -> bool:
+        """Another request is overdue and blocked: only adapters already in a slot may start."""
+        blocked = self._overdue_blocked
+        assert seq.adapter is not None
+        return blocked is not None and blocked is not seq and seq.adapter.id not in self.cache.slot_of
 
     def on_not_admitted(self, seq: Sequence) -> None:
         # The slot goes back so a request that waits holds nothing; acquiring it again is a cache hit

@@ -42,6 +42,37 @@ class RequestOutput:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterRequests:
+    """In-flight requests of one adapter."""
+
+    running: int = 0
+    waiting: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterCacheStats:
+    """The adapter cache as of one step. Field names are the keys of its JSON view (the admin API's
+    `dataclasses.asdict`), so they follow the published names rather than `num_*`."""
+
+    gpu_bytes: int = 0  # host bytes of the adapters in device slots (what they occupy there)
+    gpu_pool_bytes: int = 0  # device memory the slot tensors hold, used or not
+    cpu_bytes: int = 0  # bytes of every host-tier adapter
+    num_slots: int = 0  # device slots (max_loras)
+    num_gpu: int = 0  # adapters in a device slot
+    num_cpu: int = 0  # adapters in the host tier
+    residency: dict[str, str] = field(default_factory=dict)  # ref.id -> "gpu" | "cpu"
+    pinned: list[str] = field(default_factory=list)  # operator-pinned ref ids, sorted
+    loads: int = 0  # finished background loads
+    load_seconds: float = 0.0  # their total duration
+    load_failures: int = 0
+    hits: int = 0  # activations that found the adapter in a slot
+    misses: int = 0  # activations that copied it into a slot
+    evictions: int = 0  # adapters dropped from a device slot
+    cpu_evictions: int = 0  # adapters dropped from the host tier
+    per_adapter: dict[str, AdapterRequests] = field(default_factory=dict)  # ref.id -> its requests
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -52,7 +83,7 @@ class EngineStats:
     num_prefix_queries: int  # prompt tokens looked up in the prefix cache
     num_prefix_hits: int  # of those, tokens found
     num_steps: int
-    adapters: dict[str, object] = field(default_factory=dict)  # adapter cache statistics
+    adapters: AdapterCacheStats = field(default_factory=AdapterCacheStats)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -73,8 +73,11 @@ class Sampler:
 
         raw = logits.float()  # [num_rows, vocab]
         penalized = apply_penalties(raw, rows) if penalty_idx else raw
+        constraints = [c for p in params if (c := p.constraint) is not None]  # rows constrained_idx
         if constrained_idx:  # grammar masks, on their rows only (logprobs stay those of the raw logits)
-            penalized = apply_constraints(penalized, rows, constrained_idx, copy=penalized is raw)
+            outputs = [rows[i].output_token_ids for i in constrained_idx]
+            is_copy = penalized is raw
+            penalized = apply_constraints(penalized, constrained_idx, constraints, outputs, copy=is_copy)
         if len(random_idx) == len(rows):
             token_ids = self._sample(penalized, rows)
         else:
@@ -84,7 +87,7 @@ class Sampler:
                 token_ids[index] = self._sample(penalized[index], [rows[i] for i in random_idx])
         chosen = token_ids.tolist()
         if constrained_idx:
-            advance_constraints(rows, constrained_idx, chosen)
+            advance_constraints(constraints, [chosen[i] for i in constrained_idx])
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
         if logprob_idx:
             for i, lp in zip(logprob_idx, _logprobs(raw, token_ids, params, logprob_idx), strict=True):

@@ -57,7 +57,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Batch-invariant execution (issue 18): this request's tokens and logprobs are bitwise the same
+    # Batch-invariant execution: this request's tokens and logprobs are bitwise the same
     # whatever else shares its steps. A step that holds such a request runs the fixed-order kernels.
     deterministic: bool = False
     # Constrained decoding (base_engine/constraints.py): this request's own grammar matcher, which masks

@@ -48,17 +48,27 @@ class AdmissionPolicy:
     replaces it; it is also told when requests start and which tokens were scheduled.
     """
 
-    def order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+    def order(self, waiting: Iterable[Sequence], running: list[Sequence]) -> list[Sequence]:
+        """The order in which waiting requests are considered (`running`: who runs now)."""
         return list(waiting)
 
     def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Whether `seq` may start now (a question: takes nothing)."""
         return True
+
+    def admit(self, seq: Sequence) -> None:
+        """`can_admit` said yes: take what the request needs to start (e.g. its adapter's slot)."""
+        return None
+
+    def on_refused(self, seq: Sequence) -> None:
+        """`can_admit` said no: prepare for a later try (e.g. start loading what is missing)."""
+        return None
 
     def on_scheduled(self, output: SchedulerOutput) -> None:
         return None
 
     def on_not_admitted(self, seq: Sequence) -> None:
-        """`can_admit` said yes but the request could not start: give back what it acquired."""
+        """`admit` ran but the request could not start: give back what it took."""
         return None
 
 
@@ -127,11 +137,13 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        for seq in self.policy.order(self.waiting):
+        for seq in self.policy.order(self.waiting, self.running):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if not self.policy.can_admit(seq, self.running):
+                self.policy.on_refused(seq)
                 continue
+            self.policy.admit(seq)
             # A waiting request holds no blocks (preemption and rollback free them), so its prefix
             # hits are attached here and either kept by the allocation below or given back at once:
             # two waiting requests can never sit on blocks the other one needs.

@@ -186,9 +186,9 @@ async def delete_adapter_versions(
         _registry_call, change, session, tenant_id=tenant_id, name=name, version=version
     )
     _wake_agent(state)
-    pinned = state.engine.stats().adapters.get("pinned", [])
+    pinned = state.engine.stats().adapters.pinned
     for info in deleted:
-        if isinstance(pinned, list) and info.ref_id in pinned:
+        if info.ref_id in pinned:
             await state.engine.unpin_adapter(info.ref)
         await run_in_threadpool(
             record_audit,

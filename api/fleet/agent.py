@@ -185,8 +185,8 @@ class ReplicaAgent:
         self._on_engine(self.state.engine.set_adapter_pins(wanted))
 
     def _resident_ids(self) -> set[str]:
-        pinned = self.state.engine.stats().adapters.get("pinned", [])
-        return set(self.state.engine.adapter_residency()) | set(pinned if isinstance(pinned, list) else [])
+        pinned = self.state.engine.stats().adapters.pinned
+        return set(self.state.engine.adapter_residency()) | set(pinned)
 
     def _evict(self, ref_ids: list[str]) -> None:
         for ref_id in self._on_engine(self.state.engine.evict_adapters(ref_ids)):

@@ -40,14 +40,13 @@ def take_snapshot(state: AppState) -> Snapshot:
     stats = state.engine.stats()
     adapters = stats.adapters
     residency = state.engine.adapter_residency()
-    pinned = adapters.get("pinned", [])
     summary = {
         "num_running": stats.num_running,
         "num_waiting": stats.num_waiting,
         "kv_cache_usage": round(float(stats.kv_cache_usage), 4),
         "num_in_flight": state.admission.num_in_flight,
-        "num_adapter_slots": adapters.get("num_slots", 0),
-        "num_adapter_loads": adapters.get("loads", 0),
+        "num_adapter_slots": adapters.num_slots,
+        "num_adapter_loads": adapters.loads,
     }
     return Snapshot(
         state=replica_state(state),
@@ -55,7 +54,7 @@ def take_snapshot(state: AppState) -> Snapshot:
         residency={
             "gpu": sorted(r for r, tier in residency.items() if tier == "gpu"),
             "cpu": sorted(r for r, tier in residency.items() if tier == "cpu"),
-            "pinned": sorted(str(p) for p in pinned) if isinstance(pinned, list) else [],
+            "pinned": sorted(adapters.pinned),
             "disk": sorted(state.disk.entries()),
         },
     )

@@ -37,7 +37,7 @@ from api.metrics.series import (
     VllmSeries,
 )
 from api.metrics.window import RecentStats
-from base_engine.outputs import EngineStats, RequestOutput
+from base_engine.outputs import AdapterCacheStats, EngineStats, RequestOutput
 
 OTHER_TENANT = "other"
 
@@ -167,42 +167,36 @@ class Metrics:
             self._update_adapters(stats.adapters, disk_count, disk_bytes)
             self.recent.sample(stats)
 
-    def _update_adapters(self, a: dict[str, object], disk_count: int, disk_bytes: int) -> None:
-        def num(key: str) -> float:
-            value = a.get(key, 0)
-            return float(value) if isinstance(value, int | float) else 0.0
-
+    def _update_adapters(self, a: AdapterCacheStats, disk_count: int, disk_bytes: int) -> None:
         for tier, count, size in (
-            ("gpu", num("num_gpu"), num("gpu_bytes")),
-            ("cpu", num("num_cpu"), num("cpu_bytes")),
-            ("disk", float(disk_count), float(disk_bytes)),
+            ("gpu", a.num_gpu, a.gpu_bytes),
+            ("cpu", a.num_cpu, a.cpu_bytes),
+            ("disk", disk_count, disk_bytes),
         ):
-            self.own.adapters_resident.labels(tier).set(count)
-            self.own.adapter_bytes.labels(tier).set(size)
-        for total, key in (
-            (self.own.adapter_loads, "loads"),
-            (self.own.adapter_load_seconds, "load_seconds"),
-            (self.own.adapter_load_failures, "load_failures"),
-            (self.own.adapter_hits, "hits"),
-            (self.own.adapter_misses, "misses"),
-            (self.own.gpu_evictions, "evictions"),
-            (self.own.cpu_evictions, "cpu_evictions"),
+            self.own.adapters_resident.labels(tier).set(float(count))
+            self.own.adapter_bytes.labels(tier).set(float(size))
+        for total, value in (
+            (self.own.adapter_loads, a.loads),
+            (self.own.adapter_load_seconds, a.load_seconds),
+            (self.own.adapter_load_failures, a.load_failures),
+            (self.own.adapter_hits, a.hits),
+            (self.own.adapter_misses, a.misses),
+            (self.own.gpu_evictions, a.evictions),
+            (self.own.cpu_evictions, a.cpu_evictions),
         ):
-            total.update(num(key))
+            total.update(float(value))
         running: set[str] = set()
         waiting: set[str] = set()
-        per_adapter = a.get("per_adapter", {})
-        if isinstance(per_adapter, dict):
-            for ref_id, counts in per_adapter.items():
-                label = ref_id if self.tenant_labels else adapter_label(ref_id)
-                if isinstance(counts, dict) and counts.get("running"):
-                    running.add(label)
-                if isinstance(counts, dict) and counts.get("waiting"):
-                    waiting.add(label)
+        for ref_id, counts in a.per_adapter.items():
+            label = ref_id if self.tenant_labels else adapter_label(ref_id)
+            if counts.running:
+                running.add(label)
+            if counts.waiting:
+                waiting.add(label)
         # One series at a time: vLLM's labels change every sample, and old label sets must not pile up.
         self.vllm.lora_info.clear()
         self.vllm.lora_info.labels(
-            str(int(num("num_slots"))), ",".join(sorted(running)), ",".join(sorted(waiting))
+            str(a.num_slots), ",".join(sorted(running)), ",".join(sorted(waiting))
         ).set(self.wall_clock())
 
     # ---- reading ------------------------------------------------------------------------------

@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from base_engine.runner.attention import AttentionMetadata
+from base_engine.runner.step import StepBatch, StepResult
 from base_engine.scheduler import SchedulerOutput
 from kernels.attention import PagedAttentionMeta, build_paged_meta
 from kernels.sgmv.static_meta import StaticMeta
 
 if TYPE_CHECKING:
     from adapters.slots import SlotPool
-    from base_engine.runner.model_runner import ModelRunner, StepBatch, StepResult
+    from base_engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +96,6 @@ class DecodeGraphs:
         )  # fmt: skip
 
     def _bucket(self, size: int, make_lora_batch) -> _Bucket:
-        from base_engine.runner.attention import AttentionMetadata
-        from base_engine.runner.model_runner import StepBatch
-
         dev = self.device
         rows = torch.arange(size, dtype=torch.long, device=dev)
         paged = self._paged(size, [], [], device=dev)
@@ -165,13 +164,12 @@ class DecodeGraphs:
         host = torch.tensor(values, dtype=torch.long)
         return host.pin_memory() if self.device.type == "cuda" else host
 
+    @torch.inference_mode()
     def replay(self, batch: StepBatch) -> StepResult:
-        from base_engine.runner.model_runner import StepResult
-
         bucket = next(b for b in self.buckets if b.size == batch.graph_bucket)
         n = len(batch.order)
         if bucket.graph is None:  # not captured (CPU, tests): the same buffers, run eagerly
-            result = self.runner.forward(bucket.batch, bucket.lora)
+            result = self.runner.execute(bucket.batch, bucket.lora)
         else:
             bucket.graph.replay()
             result = bucket.result
@@ -185,11 +183,11 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):  # warm up: Triton compiles, allocator settles
-                    self.runner.forward(bucket.batch, bucket.lora)
+                    self.runner.execute(bucket.batch, bucket.lora)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-                bucket.result = self.runner.forward(bucket.batch, bucket.lora)
+                bucket.result = self.runner.execute(bucket.batch, bucket.lora)
             bucket.graph = graph
             pool = graph.pool()
         logger.info("captured CUDA graphs for decode batch sizes %s", [b.size for b in self.buckets])

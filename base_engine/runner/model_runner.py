@@ -8,9 +8,6 @@ first within a slot: e.g. base decode a, base chunk c (3 tokens), slot-0 decode 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from base_engine.model.config import ModelConfig
@@ -18,39 +15,9 @@ from base_engine.model.decoder import CausalLM, LoraBatch
 from base_engine.model.rope import RopeCache
 from base_engine.runner.attention import AttentionMetadata, PrefillChunk, chunk_mask
 from base_engine.runner.decode_buckets import DecodeBucket, build_decode_buckets, build_token_buckets
+from base_engine.runner.step import StepBatch, StepResult
 from base_engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels.attention import build_paged_meta
-
-if TYPE_CHECKING:
-    from base_engine.runner.cuda_graphs import DecodeGraphs
-
-
-@dataclass(slots=True)
-class StepBatch:
-    """One step's flattened inputs: built on the host, tensors copied to the device once."""
-
-    order: list[ScheduledSeq]  # row-block order: decodes then prefills
-    input_ids: torch.Tensor  # [T] on the device
-    positions: torch.Tensor  # [T] on the device
-    max_position: int  # max(positions), known on the host
-    meta: AttentionMetadata  # tensors on the device
-    sample_rows: torch.Tensor  # [num_sampled] rows whose logits are sampled, on the device
-    sampled: list[ScheduledSeq]  # the requests those rows belong to, same order
-    row_slots: list[int]  # adapter slot of every row (-1 = base model), for the LoRA metadata
-    seq_of_row: torch.Tensor  # [T] int64 on the device: index into `order` of each row's request
-    sampled_seq: torch.Tensor  # [num_sampled] int64 on the device: index into `order`
-    graph_bucket: int | None = None  # decode-only step held in this CUDA graph's static buffers
-
-    @property
-    def num_seqs(self) -> int:
-        """Requests the step computes (a graph bucket's padding rows count: its shapes are fixed)."""
-        return self.graph_bucket if self.graph_bucket is not None else len(self.order)
-
-
-@dataclass(slots=True)
-class StepResult:
-    logits: torch.Tensor  # [num_sampled, vocab] fp32, rows of batch.sampled (zeros where not finite)
-    is_finite: torch.Tensor  # [len(order)] bool on the device: no NaN/Inf in the request's rows
 
 
 class ModelRunner:
@@ -74,7 +41,6 @@ class ModelRunner:
         # pad with it), the scratch block takes the K/V writes of CUDA-graph padding rows.
         self.null_block = kv_caches[0].shape[1] - 2 if kv_caches else 0
         self.scratch_block = self.null_block + 1
-        self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA (cuda_graphs.py)
         self.device = device
         self.sliding_window = config.sliding_window
         dtype = next(model.parameters()).dtype
@@ -92,11 +58,7 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput, *, invariant: bool = False) -> StepBatch:
         """invariant: a deterministic step (base_engine/invariant.py): batch-invariant GEMMs, and every
-        token attended alone (build_token_buckets), never from a CUDA graph."""
-        if self.graphs is not None and not invariant:
-            batch = self.graphs.prepare(sched)
-            if batch is not None:
-                return batch
+        token attended alone (build_token_buckets)."""
         # Rows grouped by adapter slot, so each adapter's rows form one contiguous run that the LoRA
         # kernels update in place; within a slot, decodes first. Without adapters (all slots -1) this
         # is simply decodes then prefills.
@@ -235,14 +197,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch, lora: LoraBatch | None = None) -> StepResult:
         """Runs the model: logits for batch.sampled and which requests stayed finite. No host sync.
-        A decode step that a captured CUDA graph covers replays it instead (cuda_graphs.py)."""
-        if self.graphs is not None and batch.graph_bucket is not None:
-            return self.graphs.replay(batch)
-        return self.forward(batch, lora)
-
-    @torch.inference_mode()
-    def forward(self, batch: StepBatch, lora: LoraBatch | None) -> StepResult:
-        """The step's computation (what a CUDA graph captures)."""
+        This is also what a decode CUDA graph captures (over its static batch)."""
         cos_sin = self.rope(batch.positions, batch.max_position)
         hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora)
         logits = self.model.logits(hidden.index_select(0, batch.sample_rows), batch.meta.invariant)

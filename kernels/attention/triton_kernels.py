@@ -10,7 +10,7 @@ split-KV; vLLM's Triton unified attention for the per-key block lookup):
   * fp32 accumulation, online softmax in base 2 (scale * log2(e) folded into the scores); fp16/bf16
     tiles go to tensor-core dots, P is rounded to V's dtype for the PV dot (as FlashAttention does);
     fp32 tiles use IEEE dots (TF32 would miss the fp32 tolerance); every dot axis is >= 16;
-  * safety (issue #12): a key is loaded only when some query of the tile may see it; every other slot
+  * safety: a key is loaded only when some query of the tile may see it; every other slot
     (beyond seq_len, before a sliding window, unused block-table entries, padded rows) is masked at the
     load (`other=0`): its block-table entry is not even read, so stale bits (NaN/Inf) never reach an
     output. Masked scores are -inf and their P is exactly 0 against V loaded as 0;

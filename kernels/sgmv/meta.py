@@ -45,7 +45,7 @@ class SgmvMeta:
     sorted_rows_host: tuple[int, ...]  # [M], lets the CPU twin address one-row segments without a gather
     # Per-step derived data the twin builds once and every layer reuses (bag plans and indices).
     scratch: dict = field(default_factory=dict, repr=False)
-    # Batch-invariant (issue 18): every row takes one fixed schedule, whatever the batch's composition
+    # Batch-invariant: every row takes one fixed schedule, whatever the batch's composition
     # (the CPU twin's per-row bags), so a row's bits never depend on its neighbours.
     invariant: bool = False
 

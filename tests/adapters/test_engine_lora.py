@@ -109,7 +109,7 @@ def test_more_adapters_than_slots(tiny_llama_dir, tmp_path) -> None:
     got = tight.generate(prompts, params, adapters=picks)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = tight.engine.stats().adapters
-    assert stats["evictions"] > 0 and stats["num_gpu"] <= 4 and stats["num_cpu"] <= 6
+    assert stats.evictions > 0 and stats.num_gpu <= 4 and stats.num_cpu <= 6
     assert tight.engine.lora.cache.num_in_flight() == 0, "a finished request still pins a slot"
 
 
@@ -214,5 +214,5 @@ def test_stats_report_residency_bytes(tiny_llama_dir, adapters) -> None:
     llm.generate(["hi"], GREEDY, adapters=[adapters["qv8"]])
     stats = llm.engine.stats().adapters
     size = (adapters["qv8"] / "adapter_model.safetensors").stat().st_size
-    assert stats["num_gpu"] == 1 and 0.9 * size <= stats["gpu_bytes"] <= size
-    assert stats["cpu_bytes"] == stats["gpu_bytes"] and stats["gpu_pool_bytes"] > stats["gpu_bytes"]
+    assert stats.num_gpu == 1 and 0.9 * size <= stats.gpu_bytes <= size
+    assert stats.cpu_bytes == stats.gpu_bytes and stats.gpu_pool_bytes > stats.gpu_bytes

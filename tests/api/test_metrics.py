@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.metrics.prometheus import Metrics
 from api.metrics.series import one_two_five_buckets
 from api.metrics.window import RecentStats
-from base_engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from base_engine.outputs import AdapterCacheStats, AdapterRequests, EngineStats, RequestMetrics, RequestOutput
 
 # From ../shared/reference/platform.md section 2.1 (vLLM V1 loggers.py), not from our code.
 VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10,
@@ -60,7 +60,7 @@ def output(
 def stats(**changes: object) -> EngineStats:
     fields: dict[str, object] = dict(
         num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=100, num_preemptions=0,
-        num_prefix_queries=0, num_prefix_hits=0, num_steps=0, adapters={},
+        num_prefix_queries=0, num_prefix_hits=0, num_steps=0, adapters=AdapterCacheStats(),
     )  # fmt: skip
     fields.update(changes)
     return EngineStats(**fields)  # type: ignore[arg-type]
@@ -140,11 +140,18 @@ def test_tenant_labels_are_capped() -> None:
 
 def test_engine_snapshots_set_gauges_and_feed_counters_from_totals() -> None:
     metrics = Metrics(registry=CollectorRegistry(), model_name="m", wall_clock=lambda: 1234.0)
-    adapters = {
-        "num_slots": 4, "num_gpu": 2, "num_cpu": 3, "loads": 3, "load_seconds": 1.5, "hits": 10, "misses": 3,
-        "evictions": 1, "cpu_evictions": 0,
-        "per_adapter": {"t/bot@1": {"running": 2, "waiting": 0}, "t/sql@1": {"running": 0, "waiting": 1}},
-    }  # fmt: skip
+    adapters = AdapterCacheStats(
+        num_slots=4,
+        num_gpu=2,
+        num_cpu=3,
+        loads=3,
+        load_seconds=1.5,
+        hits=10,
+        misses=3,
+        evictions=1,
+        cpu_evictions=0,
+        per_adapter={"t/bot@1": AdapterRequests(running=2), "t/sql@1": AdapterRequests(waiting=1)},
+    )
     metrics.update_engine(
         stats(num_running=3, num_waiting=2, num_kv_blocks_used=25, num_preemptions=4, num_prefix_queries=100,
               num_prefix_hits=40, adapters=adapters),

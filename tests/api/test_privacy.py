@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.metering.meter import UsageMeter
 from api.metrics.prometheus import Metrics
 from api.state import AppState
-from base_engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from base_engine.outputs import AdapterCacheStats, AdapterRequests, EngineStats, RequestMetrics, RequestOutput
 from tests.api import console_helpers as ch
 from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, main_server_args
 from tests.api.test_metering import sqlite_session  # noqa: F401 - fixture
@@ -39,18 +39,18 @@ def _finished(rid: str) -> RequestOutput:
     return RequestOutput(rid, [1, 2, 3], [4, 5], "", finish_reason="stop", metrics=metrics)
 
 
-def _stats(per_adapter: dict[str, dict[str, int]]) -> EngineStats:
+def _stats(per_adapter: dict[str, AdapterRequests]) -> EngineStats:
     return EngineStats(
         num_running=1, num_waiting=1, num_kv_blocks_used=1, num_kv_blocks_total=10, num_preemptions=0,
         num_prefix_queries=0, num_prefix_hits=0, num_steps=1,
-        adapters={"num_slots": 2, "per_adapter": per_adapter},
+        adapters=AdapterCacheStats(num_slots=2, per_adapter=per_adapter),
     )  # fmt: skip
 
 
 def test_metrics_name_no_tenant_unless_asked() -> None:
     tenant_id = uuid.uuid4().hex
-    per_adapter = {f"{tenant_id}/support-bot@2": {"running": 1, "waiting": 0}}
-    per_adapter[f"{uuid.uuid4().hex}/sql@1"] = {"running": 0, "waiting": 2}
+    per_adapter = {f"{tenant_id}/support-bot@2": AdapterRequests(running=1, waiting=0)}
+    per_adapter[f"{uuid.uuid4().hex}/sql@1"] = AdapterRequests(running=0, waiting=2)
     for tenant_labels in (False, True):
         metrics = Metrics(model_name="m", tenant_labels=tenant_labels)
         metrics.observe_finished(_finished("a"), tenant="acme-corp", adapter="support-bot@2")

@@ -12,7 +12,6 @@ from adapters.testing import save_random_adapter
 from base_engine import SamplingParams
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
-from base_engine.lora import make_decode_graphs
 from base_engine.model.config import load_model_config
 from base_engine.runner.cuda_graphs import bucket_sizes
 from tests.engine.conftest import random_prompts
@@ -42,14 +41,14 @@ def _run(model_dir: Path, adapters: list[Path], *, graphs: bool) -> tuple[dict, 
     cache.poll()
     replays = {"n": 0}
     if graphs:
-        engine.runner.graphs = make_decode_graphs(engine, capture=False)
-        real = engine.runner.graphs.replay
+        engine.graphs = engine.make_decode_graphs(capture=False)
+        real = engine.graphs.replay
 
         def counting(batch):
             replays["n"] += 1
             return real(batch)
 
-        engine.runner.graphs.replay = counting
+        engine.graphs.replay = counting
     prompts = random_prompts(6, 500, 3, 14, seed=11)
     plan = [(None, 9), (0, 4), (1, 12), (0, 7), (2, 3), (None, 10)]  # (adapter, max_tokens)
     finals = {}

@@ -34,7 +34,7 @@ def test_cuda_bf16_greedy_matches_transformers(variant: str, make_checkpoint) ->
     model_dir = make_checkpoint(**VARIANTS[variant])
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16)
-    assert llm.engine.runner.use_paged and llm.engine.runner.graphs is not None
+    assert llm.engine.runner.use_paged and llm.engine.graphs is not None
     prompts = random_prompts(4, 500, 3, 40, seed=len(variant))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
     compared = 0
@@ -68,7 +68,7 @@ def test_graph_replay_with_changing_adapters_is_bitwise_eager(tiny_llama_dir: Pa
         config = EngineConfig(num_kv_blocks=256, block_size=16, max_num_seqs=16, max_loras=4,
                               enable_cuda_graphs=graphs)  # fmt: skip
         engine = LLMEngine(tiny_llama_dir, device="cuda", dtype="bfloat16", config=config)
-        assert (engine.runner.graphs is not None) == graphs
+        assert (engine.graphs is not None) == graphs
         cache = engine.lora.cache
         for path in adapters:  # loaded up front: both runs schedule the same steps
             cache.request_load(engine.lora.local_ref(path))

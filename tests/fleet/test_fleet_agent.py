@@ -79,7 +79,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
 
 def pinned(state: AppState) -> set[str]:
     """The engine's pins as of its last step (read from its stats: never the cache from this thread)."""
-    return set(state.engine.stats().adapters.get("pinned", []))  # type: ignore[call-overload]
+    return set(state.engine.stats().adapters.pinned)
 
 
 def resident(state: AppState) -> set[str]:

@@ -170,8 +170,7 @@ def _adapter_row(
 
 
 def _pinned(state: AppState) -> list[str]:
-    pinned = state.engine.stats().adapters.get("pinned", [])
-    return [str(p) for p in pinned] if isinstance(pinned, list) else []
+    return list(state.engine.stats().adapters.pinned)
 
 
 @dataclass(frozen=True, slots=True)

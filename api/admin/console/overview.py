@@ -33,10 +33,6 @@ def _latest(values: list[Any]) -> Any:
     return values[-1] if values else None
 
 
-def _num(value: object) -> float:
-    return float(value) if isinstance(value, int | float) else 0.0
-
-
 def live_numbers(stats: EngineStats, ts: dict[str, Any]) -> dict[str, Any]:
     series = ts.get("series", {})
     numbers: dict[str, Any] = {
@@ -61,14 +57,9 @@ def live_numbers(stats: EngineStats, ts: dict[str, Any]) -> dict[str, Any]:
 
 def residency(state: AppState, stats: EngineStats) -> dict[str, Any]:
     a = stats.adapters
-    pinned = a.get("pinned", [])
     return {
-        "gpu": {
-            "used": int(_num(a.get("num_gpu"))),
-            "total": int(_num(a.get("num_slots"))),
-            "pinned": len(pinned) if isinstance(pinned, list) else 0,
-        },
-        "cpu": {"used": int(_num(a.get("num_cpu"))), "total": state.settings.max_cpu_loras},
+        "gpu": {"used": a.num_gpu, "total": a.num_slots, "pinned": len(a.pinned)},
+        "cpu": {"used": a.num_cpu, "total": state.settings.max_cpu_loras},
         "disk": {
             "used": len(state.disk.entries()),
             "bytes": state.disk.num_bytes,
