@@ -47,13 +47,15 @@ from api.tenancy.admission import Admission, InFlight, Release
 from api.tenancy.keyfiles import tenant_cache_salt
 from api.tenancy.plan_gate import PlanGate
 from api.tenancy.quotas import QuotaLimiter
+from api.tenant_adapters.registrar import Registrar
 from api.tenant_adapters.uploads import UploadLimits, upload_limits
+from api.tenant_adapters.views import Residency
 from base_engine.async_engine import AsyncEngine
 from base_engine.runner.device import DTYPES
 from registry.disk_cache import DiskTier
 from registry.provenance import Provenance
 from registry.store import ObjectStore
-from registry.types import AdapterVersionInfo, TenantQuotas
+from registry.types import TenantQuotas
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ class AppState:
     ready_probes: dict[str, Probe] = field(init=False)
     seeds: SeedSource = field(init=False)  # for requests that send no seed (api/inference/sampling.py)
     plan_gate: PlanGate = field(init=False)  # per-tenant bound on requests being planned at once
+    residency: Residency = field(init=False)  # where an adapter version lives now
+    registrar: Registrar = field(init=False)  # what adapter uploads and imports work with
 
     def __post_init__(self) -> None:
         # Each fleet replica draws its own stream (a single server: the seed alone, the same every start).
@@ -111,6 +115,19 @@ class AppState:
             "object_store": Probe("object_store", self.store.check, self.pools.probes),
         }
         self.on_drain.append(self.pools.shutdown)
+        self.residency = Residency(self.engine, self.disk)
+        self.registrar = Registrar(
+            sessions=self.sessions,
+            store=self.store,
+            validate=self.validator(),
+            base_model=self.model_name,
+            residency=self.residency,
+            gate=self.upload_gate,
+            pool=self.pools.uploads,
+            limits=self.upload_limits,
+            uploads_dir=self.settings.data_dir / "uploads",
+            timeout_s=self.settings.upload_timeout_s,
+        )
 
     def _ping_database(self) -> None:
         with self.sessions() as session:
@@ -140,15 +157,6 @@ class AppState:
             max_size_bytes=self.upload_limits.weights_bytes,
             dtype=self.engine.dtype if self.settings.dtype == "auto" else DTYPES[self.settings.dtype],
         )
-
-    def residency(self, info: AdapterVersionInfo) -> str:
-        """Where a version lives now: "gpu" | "cpu" (engine adapter cache), "disk" (local tier), "store"."""
-        in_engine = self.engine.adapter_residency().get(info.ref_id)
-        if in_engine is not None:
-            return in_engine
-        if f"{info.sha256}-{info.config_sha256}" in self.disk.entries():
-            return "disk"
-        return "store"
 
     async def run_drain_hooks(self) -> None:
         hooks, self.on_drain = list(self.on_drain), []

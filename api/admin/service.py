@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.errors import APIError, from_registry_error
 from api.state import AppState
-from api.tenant_adapters.service import adapter_views
+from api.tenant_adapters.views import adapter_views
 from registry import fleet
 from registry.adapters import delete_adapter, list_adapters, resolve_adapter
 from registry.audit import list_audit, record_audit
@@ -143,7 +143,7 @@ def revoke(session: Session, *, tenant_id: str, prefix: str) -> dict[str, Any]:
 def all_adapters(state: AppState, session: Session, *, tenant_id: str | None) -> list[dict[str, Any]]:
     versions = list_adapters(session, tenant_id=tenant_id)
     names = {t.id: t.name for t in list_tenants(session, include_deleted=True)}
-    views = adapter_views(state, versions)
+    views = adapter_views(versions, residency=state.residency)
     owners = list(dict.fromkeys((v.tenant_id, v.name) for v in versions))
     for view, (owner, _) in zip(views, owners, strict=True):
         view["tenant_id"], view["tenant_name"] = owner, names.get(owner)
@@ -173,7 +173,7 @@ async def pin(
     await run_in_threadpool(
         record_audit, session, actor=ADMIN, action=action, tenant_id=tenant_id, target=target
     )
-    return {"object": "adapter.pin", "id": target, "pinned": is_pin, "residency": state.residency(info)}
+    return {"object": "adapter.pin", "id": target, "pinned": is_pin, "residency": state.residency.of(info)}
 
 
 async def delete_adapter_versions(

@@ -163,7 +163,7 @@ def _adapter_row(
         size_bytes=info.size_bytes,
         sha256=info.sha256,
         status=info.status,
-        residency=state.residency(info),
+        residency=state.residency.of(info),
         is_pinned=info.ref_id in pinned,
         usage=usage.get(f"{info.name}@{info.version}", NO_USAGE),
     )
