@@ -31,10 +31,16 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
         # Installed last, so every other on_finished callback (metering) still finds the context.
         state.engine.on_finished.append(state.inflight.on_engine_finished)
         state.engine.start()
-        if state.settings.fleet:  # issue 16: join the fleet (heartbeat, residency, admin events)
+        if state.settings.fleet and state.fleet_agent is None:  # join the fleet (heartbeat, events)
             from api.fleet.agent import start_agent
 
-            start_agent(state)
+            state.fleet_agent = start_agent(
+                state.replica,
+                metrics=state.metrics,
+                db_url=state.settings.db_url,
+                wakeup=state.fleet_sync.wakeup,
+            )
+            state.on_drain.append(state.fleet_agent.stop)  # leaves the fleet, closes its database engine
         logger.info("serving %s (max_model_len %d)", state.model_name, state.max_model_len)
         try:
             yield

@@ -37,6 +37,9 @@ from adapters.types import AdapterSummary, BaseModelShapes
 from adapters.validation import validate_adapter
 from api.context import RequestContext, Usage
 from api.demo.tenant import DemoInfo
+from api.fleet.agent import ReplicaAgent
+from api.fleet.snapshot import ThisReplica, replica_id_of
+from api.fleet.sync import FleetSync
 from api.http.blocking import BlockingPools, Probe, UploadGate
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.sampling import SeedSource
@@ -88,7 +91,7 @@ class AppState:
     quotas: QuotaLimiter | None = None
     admin_key_created: bool = False
     adapter_fetch: AdapterFetch | None = None  # the engine's fetch; knows store outages (503)
-    fleet_agent: Any = None  # issue 16: api.fleet.agent.ReplicaAgent in fleet mode (started by the lifespan)
+    fleet_agent: ReplicaAgent | None = None  # in fleet mode, started by the app's lifespan
     # Issue 18: the process-wide half of every answer's provenance (api/inference/provenance.py), read at
     # start-up.
     provenance: Provenance | None = None
@@ -101,6 +104,8 @@ class AppState:
     plan_gate: PlanGate = field(init=False)  # per-tenant bound on requests being planned at once
     residency: Residency = field(init=False)  # where an adapter version lives now
     registrar: Registrar = field(init=False)  # what adapter uploads and imports work with
+    replica: ThisReplica = field(init=False)  # this process as the fleet (and GET /admin/api/fleet) sees it
+    fleet_sync: FleetSync = field(init=False)  # how admin actions here reach the other replicas
 
     def __post_init__(self) -> None:
         # Each fleet replica draws its own stream (a single server: the seed alone, the same every start).
@@ -128,6 +133,15 @@ class AppState:
             uploads_dir=self.settings.data_dir / "uploads",
             timeout_s=self.settings.upload_timeout_s,
         )
+        self.replica = ThisReplica(
+            replica_id=replica_id_of(self.settings),
+            started_at=self.started_at,
+            is_fleet=self.settings.fleet,
+            engine=self.engine,
+            admission=self.admission,
+            disk=self.disk,
+        )
+        self.fleet_sync = FleetSync(is_fleet=self.settings.fleet)
 
     def _ping_database(self) -> None:
         with self.sessions() as session:

@@ -99,8 +99,8 @@ def _is_fleet(state: AppState | None) -> bool:
 
 
 def _wake_agent(state: AppState | None) -> None:
-    if state is not None and state.fleet_agent is not None:
-        state.fleet_agent.wake()
+    if state is not None:
+        state.fleet_sync.wake()
 
 
 def set_status(

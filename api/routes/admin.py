@@ -136,7 +136,7 @@ async def delete_adapter(
 def fleet(_: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
     """Replicas with state (ready, draining, lost, ...), last_seen, engine summary and residency; in
     single-process mode this process alone."""
-    return fleet_view(state, session)
+    return fleet_view(session, replica=state.replica)
 
 
 @router.get(
@@ -147,7 +147,8 @@ def fleet(_: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
 def fleet_metrics(_: AdminDep, state: StateDep, session: SessionDep) -> Response:
     """Every live replica's latest /metrics snapshot (a `replica` label on each series), merged: for
     deployments with one HTTP entry point, where a scrape of /metrics reaches one replica."""
-    return Response(views.fleet_metrics(state, session), media_type=CONTENT_TYPE_LATEST)
+    body = views.fleet_metrics(session, metrics=state.metrics, is_fleet=state.settings.fleet)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/audit", responses=responses(400, 401))

@@ -133,7 +133,7 @@ async def fleet_page(
     request: Request, console: ConsoleDep, state: StateDep, db: SessionDep, session: LoginDep
 ) -> Response:
     """Replicas and what each holds (issue 16); in single-process mode this process alone."""
-    fleet = await run_in_threadpool(fleet_view, state, db)
+    fleet = await run_in_threadpool(fleet_view, db, replica=state.replica)
     return console.page(request, "fleet.html", session=session, fleet=fleet, now=int(time.time()))
 
 
