@@ -17,6 +17,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from api.admin.console import install_console
+from api.bootstrap import build_console
 from api.errors import install_error_handlers
 from api.http.body_limit import BodyLimit
 from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage
@@ -61,7 +62,7 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
     routers = (openai.router, tokenize.router, adapters.router, admin.router, health.router, usage.router)
     for router in (*routers, adapter_import.router, *extra_routers):
         app.include_router(router)
-    install_console(app, state)  # the admin web console under /admin (api/admin/console/README.md)
+    install_console(app, build_console(state))  # the admin web console under /admin (its README.md)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

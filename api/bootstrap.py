@@ -7,11 +7,14 @@ tenant. Also the start-up banner: base URL, keys and a ready-to-paste curl line.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shlex
 from pathlib import Path
 
+from api.admin.console.core import Console, ConsoleServices
+from api.admin.console.sessions_db import open_session_store
 from api.checkpoints.sources import record_served_model, resolve_model_dir
 from api.demo.tenant import ensure_demo_checkpoint, ensure_demo_tenant
 from api.demo.traits import TRAITS
@@ -19,6 +22,7 @@ from api.fleet.start import check_fleet_schema, check_fleet_settings, fleet_serv
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.provenance import server_provenance
 from api.metering.service import install as install_metering
+from api.routes.usage import flush_usage
 from api.settings import Settings
 from api.state import AppState
 from api.tenancy.admission import Admission
@@ -128,6 +132,24 @@ def build_state(settings: Settings) -> AppState:
             random_adapters=settings.is_random_demo,
         )
     return state
+
+
+def build_console(state: AppState) -> Console:
+    """The admin console with its collaborators; a fleet's login sessions live in the database (any
+    replica serves them; restarts keep them)."""
+    services = ConsoleServices(
+        admin_key=state.admin_key,
+        engine=state.engine,
+        admission=state.admission,
+        disk=state.disk,
+        metrics=state.metrics,
+        max_cpu_loras=state.settings.max_cpu_loras,
+        residency=state.residency,
+        replica=state.replica,
+        fleet_sync=state.fleet_sync,
+        flush_usage=functools.partial(flush_usage, state),
+    )
+    return Console(services=services, sessions=open_session_store(state.sessions, fleet=state.settings.fleet))
 
 
 def banner(state: AppState) -> str:
