@@ -20,6 +20,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from api.admin.console import install_console
+from api.bootstrap import build_console
 from api.errors import install_error_handlers
 from api.http.body_limit import BodyLimit
 from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage
@@ -35,10 +36,15 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
         # Ends each HTTP request once its engine requests have (metering, metrics): api/inference/inflight.py
         state.engine.on_finished.append(state.inference.inflight.on_engine_finished)
         state.engine.start()
-        if state.settings.fleet:  # join the fleet (heartbeat, residency, admin events)
+        if state.settings.fleet and state.fleet_agent is None:  # join the fleet (heartbeat, events)
             from api.fleet.agent import start_agent
 
-            start_agent(state)
+            state.fleet_agent = start_agent(
+                state.replica,
+                metrics=state.metrics,
+                db_url=state.settings.db_url,
+                wakeup=state.fleet_sync.wakeup,
+            )
         logger.info("serving %s (max_model_len %d)", state.model_name, state.max_model_len)
         try:
             yield
@@ -59,7 +65,7 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
     routers = (openai.router, tokenize.router, adapters.router, admin.router, health.router, usage.router)
     for router in (*routers, adapter_import.router, *extra_routers):
         app.include_router(router)
-    install_console(app, state)  # the admin web console under /admin (api/admin/console/README.md)
+    install_console(app, build_console(state))  # the admin web console under /admin (its README.md)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

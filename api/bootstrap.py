@@ -9,6 +9,7 @@ start-up banner: base URL, keys and a ready-to-paste curl line.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shlex
@@ -16,6 +17,8 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.admin.console.core import Console, ConsoleServices
+from api.admin.console.sessions_db import open_session_store
 from api.checkpoints.sources import record_served_model, resolve_model_dir
 from api.demo.tenant import ensure_demo_checkpoint, ensure_demo_tenant
 from api.demo.traits import TRAITS
@@ -28,6 +31,7 @@ from api.inference.services import Inference
 from api.metering.request_meter import open_meter
 from api.metrics.prometheus import Metrics
 from api.metrics.sampler import MetricsSampler
+from api.routes.usage import flush_usage
 from api.settings import Settings
 from api.state import AppState
 from api.tenancy.admission import Admission
@@ -220,6 +224,24 @@ def _inference(
         plan_gate=PlanGate(settings.max_concurrent_plans_per_tenant),
         adapter_fetch=adapter_fetch,
     )
+
+
+def build_console(state: AppState) -> Console:
+    """The admin console with its collaborators; a fleet's login sessions live in the database (any
+    replica serves them; restarts keep them)."""
+    services = ConsoleServices(
+        admin_key=state.admin_key,
+        engine=state.engine,
+        admission=state.admission,
+        disk=state.disk,
+        metrics=state.metrics,
+        max_cpu_loras=state.settings.max_cpu_loras,
+        residency=state.residency,
+        replica=state.replica,
+        fleet_sync=state.fleet_sync,
+        flush_usage=functools.partial(flush_usage, state),
+    )
+    return Console(services=services, sessions=open_session_store(state.sessions, fleet=state.settings.fleet))
 
 
 def banner(state: AppState) -> str:

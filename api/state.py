@@ -25,6 +25,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from adapters.types import AdapterSummary, BaseModelShapes
 from adapters.validation import validate_adapter
 from api.demo.tenant import DemoInfo
+from api.fleet.agent import ReplicaAgent
+from api.fleet.snapshot import ThisReplica, replica_id_of
+from api.fleet.sync import FleetSync
 from api.http.blocking import BlockingPools, Probe, UploadGate
 from api.inference.services import Inference
 from api.metrics.prometheus import Metrics
@@ -32,12 +35,13 @@ from api.metrics.sampler import MetricsSampler
 from api.settings import Settings
 from api.tenancy.admission import Admission
 from api.tenancy.keyfiles import tenant_cache_salt
+from api.tenant_adapters.registrar import Registrar
 from api.tenant_adapters.uploads import UploadLimits, upload_limits
+from api.tenant_adapters.views import Residency
 from base_engine.async_engine import AsyncEngine
 from base_engine.runner.device import DTYPES
 from registry.disk_cache import DiskTier
 from registry.store import ObjectStore
-from registry.types import AdapterVersionInfo
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +63,16 @@ class AppState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     demo: DemoInfo | None = None
     admin_key_created: bool = False
-    fleet_agent: Any = None  # api.fleet.agent.ReplicaAgent in fleet mode (started by the lifespan)
+    fleet_agent: ReplicaAgent | None = None  # in fleet mode, started by the app's lifespan
     # Built in __post_init__: own thread pools, the upload bound and limits, /ready probes.
     pools: BlockingPools = field(init=False)
     upload_gate: UploadGate = field(init=False)
     upload_limits: UploadLimits = field(init=False)
     ready_probes: dict[str, Probe] = field(init=False)
+    residency: Residency = field(init=False)  # where an adapter version lives now
+    registrar: Registrar = field(init=False)  # what adapter uploads and imports work with
+    replica: ThisReplica = field(init=False)  # this process as the fleet (and GET /admin/api/fleet) sees it
+    fleet_sync: FleetSync = field(init=False)  # how admin actions here reach the other replicas
 
     def __post_init__(self) -> None:
         self.pools = BlockingPools(max_uploads=self.settings.max_concurrent_uploads)
@@ -74,6 +82,28 @@ class AppState:
             "database": Probe("database", self._ping_database, self.pools.probes),
             "object_store": Probe("object_store", self.store.check, self.pools.probes),
         }
+        self.residency = Residency(self.engine, self.disk)
+        self.registrar = Registrar(
+            sessions=self.sessions,
+            store=self.store,
+            validate=self.validator(),
+            base_model=self.model_name,
+            residency=self.residency,
+            gate=self.upload_gate,
+            pool=self.pools.uploads,
+            limits=self.upload_limits,
+            uploads_dir=self.settings.data_dir / "uploads",
+            timeout_s=self.settings.upload_timeout_s,
+        )
+        self.replica = ThisReplica(
+            replica_id=replica_id_of(self.settings),
+            started_at=self.started_at,
+            is_fleet=self.settings.fleet,
+            engine=self.engine,
+            admission=self.admission,
+            disk=self.disk,
+        )
+        self.fleet_sync = FleetSync(is_fleet=self.settings.fleet)
 
     def _ping_database(self) -> None:
         with self.sessions() as session:
@@ -107,12 +137,3 @@ class AppState:
             max_size_bytes=self.upload_limits.weights_bytes,
             dtype=self.engine.dtype if self.settings.dtype == "auto" else DTYPES[self.settings.dtype],
         )
-
-    def residency(self, info: AdapterVersionInfo) -> str:
-        """Where a version lives now: "gpu" | "cpu" (engine adapter cache), "disk" (local tier), "store"."""
-        in_engine = self.engine.adapter_residency().get(info.ref_id)
-        if in_engine is not None:
-            return in_engine
-        if f"{info.sha256}-{info.config_sha256}" in self.disk.entries():
-            return "disk"
-        return "store"

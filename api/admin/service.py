@@ -4,9 +4,11 @@ Each management action is recorded in the audit log with actor "admin". Suspendi
 tenant takes effect at once: keys and adapters are checked against the tenant's status on every
 request (registry), so nothing is cached here.
 
-Fleet mode (issue 16): actions that touch residency (pin, unpin, adapter delete, tenant status) go
-through `registry.fleet`, which records the change and its fleet event in one transaction; every
-replica's agent (api/fleet/agent.py) applies it, this one at once (`wake`).
+In a fleet, actions that touch residency (pin, unpin, adapter delete, tenant status) go through
+`registry.fleet`, which records the change and its fleet event in one transaction; every replica's
+agent (api/fleet/agent.py) applies it, this one at once (`FleetSync.wake`, api/fleet/sync.py).
+Each function takes the collaborators it uses, keyword-only: the engine facade, residency, fleet
+sync, admission.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import APIError, from_registry_error
-from api.state import AppState
-from api.tenant_adapters.service import adapter_views
+from api.fleet.sync import FleetSync
+from api.tenancy.admission import Admission
+from api.tenant_adapters.views import Residency, adapter_views
+from base_engine.async_engine import AsyncEngine
 from registry import fleet
 from registry.adapters import delete_adapter, list_adapters, resolve_adapter
 from registry.audit import list_audit, record_audit
@@ -94,22 +98,13 @@ def tenant(session: Session, *, tenant_id: str) -> dict[str, Any]:
     return tenant_view(_registry_call(get_tenant, session, tenant_id=tenant_id))
 
 
-def _is_fleet(state: AppState | None) -> bool:
-    return state is not None and state.settings.fleet
-
-
-def _wake_agent(state: AppState | None) -> None:
-    if state is not None and state.fleet_agent is not None:
-        state.fleet_agent.wake()
-
-
 def set_status(
-    session: Session, *, tenant_id: str, status: TenantStatus, state: AppState | None = None
+    session: Session, *, tenant_id: str, status: TenantStatus, fleet_sync: FleetSync
 ) -> dict[str, Any]:
     """Suspend / activate / delete; in fleet mode every replica also drops the tenant's adapters."""
-    change = fleet.set_tenant_status if _is_fleet(state) else set_tenant_status
+    change = fleet.set_tenant_status if fleet_sync.is_fleet else set_tenant_status
     info = _registry_call(change, session, tenant_id=tenant_id, status=status)
-    _wake_agent(state)
+    fleet_sync.wake()
     record_audit(session, actor=ADMIN, action=f"tenant.{status.value}", tenant_id=tenant_id, target=info.name)
     return tenant_view(info)
 
@@ -140,10 +135,10 @@ def revoke(session: Session, *, tenant_id: str, prefix: str) -> dict[str, Any]:
     return key_view(info)
 
 
-def all_adapters(state: AppState, session: Session, *, tenant_id: str | None) -> list[dict[str, Any]]:
+def all_adapters(session: Session, *, residency: Residency, tenant_id: str | None) -> list[dict[str, Any]]:
     versions = list_adapters(session, tenant_id=tenant_id)
     names = {t.id: t.name for t in list_tenants(session, include_deleted=True)}
-    views = adapter_views(state, versions)
+    views = adapter_views(versions, residency=residency)
     owners = list(dict.fromkeys((v.tenant_id, v.name) for v in versions))
     for view, (owner, _) in zip(views, owners, strict=True):
         view["tenant_id"], view["tenant_name"] = owner, names.get(owner)
@@ -151,45 +146,59 @@ def all_adapters(state: AppState, session: Session, *, tenant_id: str | None) ->
 
 
 async def pin(
-    state: AppState, session: Session, *, tenant_id: str, name: str, version: int | None, is_pin: bool
+    session: Session,
+    *,
+    engine: AsyncEngine,
+    residency: Residency,
+    fleet_sync: FleetSync,
+    tenant_id: str,
+    name: str,
+    version: int | None,
+    is_pin: bool,
 ) -> dict[str, Any]:
     """Pin or unpin a version in the GPU adapter cache: here, and in fleet mode on every replica (the
     pin is state in `fleet_pins`, so replicas started later apply it too)."""
     model = name if version is None else f"{name}@{version}"
     info = await run_in_threadpool(_registry_call, resolve_adapter, session, tenant_id=tenant_id, model=model)
     try:
-        await (state.engine.pin_adapter if is_pin else state.engine.unpin_adapter)(info.ref)
+        await (engine.pin_adapter if is_pin else engine.unpin_adapter)(info.ref)
     except (ValueError, RegistryError) as exc:
         raise APIError(
             409, f"cannot {'pin' if is_pin else 'unpin'} {model}: {exc}", code="pin_failed"
         ) from None
-    if _is_fleet(state):
+    if fleet_sync.is_fleet:
         change = fleet.pin_adapter if is_pin else fleet.unpin_adapter
         exact = f"{info.name}@{info.version}"
         await run_in_threadpool(_registry_call, change, session, tenant_id=tenant_id, model=exact)
-        _wake_agent(state)
+        fleet_sync.wake()
     target = f"{info.name}@{info.version}"
     action = "adapter.pin" if is_pin else "adapter.unpin"
     await run_in_threadpool(
         record_audit, session, actor=ADMIN, action=action, tenant_id=tenant_id, target=target
     )
-    return {"object": "adapter.pin", "id": target, "pinned": is_pin, "residency": state.residency(info)}
+    return {"object": "adapter.pin", "id": target, "pinned": is_pin, "residency": residency.of(info)}
 
 
 async def delete_adapter_versions(
-    state: AppState, session: Session, *, tenant_id: str, name: str, version: int | None
+    session: Session,
+    *,
+    engine: AsyncEngine,
+    fleet_sync: FleetSync,
+    tenant_id: str,
+    name: str,
+    version: int | None,
 ) -> dict[str, Any]:
     """Soft-delete a tenant's adapter (one version or all): it stops resolving at once; its pins go,
     here and, in fleet mode, on every replica (which also evict it from their adapter caches)."""
-    change = fleet.delete_adapter if _is_fleet(state) else delete_adapter
+    change = fleet.delete_adapter if fleet_sync.is_fleet else delete_adapter
     deleted = await run_in_threadpool(
         _registry_call, change, session, tenant_id=tenant_id, name=name, version=version
     )
-    _wake_agent(state)
-    pinned = state.engine.stats().adapters.pinned
+    fleet_sync.wake()
+    pinned = engine.stats().adapters.pinned
     for info in deleted:
         if info.ref_id in pinned:
-            await state.engine.unpin_adapter(info.ref)
+            await engine.unpin_adapter(info.ref)
         await run_in_threadpool(
             record_audit,
             session,
@@ -209,13 +218,13 @@ def audit(
     return [audit_view(e) for e in entries]
 
 
-def engine_stats(state: AppState) -> dict[str, Any]:
-    stats = state.engine.stats()
+def engine_stats(*, engine: AsyncEngine, admission: Admission) -> dict[str, Any]:
+    stats = engine.stats()
     return {
         "object": "engine.stats",
         **dataclasses.asdict(stats),
         "kv_cache_usage": stats.kv_cache_usage,
-        "num_in_flight": state.admission.num_in_flight,
-        "max_in_flight": state.admission.max_in_flight,
-        "is_draining": state.admission.is_draining,
+        "num_in_flight": admission.num_in_flight,
+        "max_in_flight": admission.max_in_flight,
+        "is_draining": admission.is_draining,
     }

@@ -1,4 +1,4 @@
-"""The base model's content hash for provenance (issue 18), computed once and cached in the data dir.
+"""The base model's content hash for provenance, computed once and cached in the data dir.
 
 What is hashed:
 - a checkpoint converted from a GGUF file (the default SmolLM2 model, any `--model x.gguf`): the GGUF

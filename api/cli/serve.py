@@ -136,7 +136,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API, adapter uploads and the admin API."""
     options = dict(locals())
-    # Issue 16 part B: --replicas N > 1 / --ray deploy the fleet on a local Ray (api/fleet/launch.py).
+    # --replicas N > 1 / --ray deploy the fleet on a local Ray (api/fleet/launch.py).
     num_replicas, use_ray = options.pop("replicas"), options.pop("ray")
     if num_replicas > 1 or use_ray:
         _serve_on_ray(load_settings(**options), num_replicas)

@@ -1,1 +1,1 @@
-"""The fleet (issue 16): N engine replicas behind one entry point; see README.md here."""
+"""The fleet: N engine replicas behind one entry point; see README.md here."""

@@ -1,4 +1,4 @@
-"""The replica agent (issue 16): makes one process a member of a fleet that shares one database.
+"""The replica agent: makes one process a member of a fleet that shares one database.
 
 A background thread (never the engine thread, never the event loop), every `heartbeat_s`:
 1. heartbeat: this replica's row in `fleet_replicas` (state, engine summary, residency; every
@@ -13,10 +13,10 @@ A background thread (never the engine thread, never the event loop), every `hear
 
 Its own database engine has short timeouts (`DB_CONNECT_TIMEOUT_S`, `DB_READ_TIMEOUT_S`); an outage
 only makes beats fail (logged once per outage) and the replica look "lost" to others; serving goes
-on. Engine changes run on the engine thread through `AsyncEngine.call`, awaited from this thread
-with a deadline. A clean shutdown removes the row. Prefix-cache blocks of an evicted adapter are not
-dropped: their keys carry the adapter's id and hash, so no request can reach them, and they are
-reused as free blocks (LRU).
+on. Engine changes run on the engine thread through the `AsyncEngine` facade, awaited from this
+thread with a deadline. A clean shutdown (`stop()`) removes the row. Prefix-cache blocks of an
+evicted adapter are not dropped: their keys carry the adapter's id and hash, so no request can reach
+them, and they are reused as free blocks (LRU).
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.fleet.snapshot import replica_id_of, take_snapshot
-from api.state import AppState
+from api.fleet.snapshot import ThisReplica
+from api.metrics.prometheus import Metrics
 from registry import fleet
 from registry.db import make_engine, session_factory
 from registry.fleet_models import FleetEventKind
@@ -55,28 +56,35 @@ _TENANT_GONE = (FleetEventKind.TENANT_SUSPEND, FleetEventKind.TENANT_DELETE)
 
 
 class ReplicaAgent:
+    """`replica`: what this process reports and whose engine applies the fleet's changes; `metrics`:
+    the /metrics exposition stored with every `METRICS_EVERY`th beat (None: none); `wakeup`: set by
+    admin actions on this replica (api/fleet/sync.py); `db`: an engine of its own behind
+    `sessions`, disposed by `stop()`."""
+
     def __init__(
         self,
-        state: AppState,
+        replica: ThisReplica,
         *,
+        metrics: Metrics | None,
         loop: asyncio.AbstractEventLoop,
-        replica_id: str,
         sessions: sessionmaker[Session],
         heartbeat_s: float = HEARTBEAT_S,
-        dispose: Callable[[], None] | None = None,
+        wakeup: threading.Event | None = None,
+        db: Engine | None = None,
     ) -> None:
-        self.state = state
+        self.replica = replica
+        self.metrics = metrics
         self.loop = loop
-        self.replica_id = replica_id
+        self.replica_id = replica.replica_id
         self.sessions = sessions
         self.heartbeat_s = heartbeat_s
-        self._dispose = dispose  # closes the agent's own database connections once it has left
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.cursor: int | None = None  # last event id applied; None = not caught up yet
         self.num_beats = 0
         self._is_failing = False
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._wake = wakeup if wakeup is not None else threading.Event()
+        self._db = db
         self._thread = threading.Thread(target=self._run, name="loraserve-fleet-agent", daemon=True)
 
     def start(self) -> None:
@@ -87,10 +95,11 @@ class ReplicaAgent:
         self._wake.set()
 
     async def stop(self) -> None:
-        """At shutdown: stop the thread, then leave the fleet (off the event loop: both may wait)."""
+        """At shutdown: stop the thread, leave the fleet, then close its own database engine (off the
+        event loop: each may wait)."""
         await asyncio.to_thread(self._stop_and_leave)
-        if self._dispose is not None:
-            self._dispose()
+        if self._db is not None:
+            self._db.dispose()
 
     def _stop_and_leave(self) -> None:
         self._stop.set()
@@ -134,10 +143,10 @@ class ReplicaAgent:
         self._is_failing = False
 
     def _beat(self, session: Session) -> None:
-        snap = take_snapshot(self.state)
+        snap = self.replica.snapshot()
         metrics = None
-        if self.state.metrics is not None and self.num_beats % METRICS_EVERY == 0:
-            metrics = self.state.metrics.render(include_tenants=True)[0].decode()
+        if self.metrics is not None and self.num_beats % METRICS_EVERY == 0:
+            metrics = self.metrics.render(include_tenants=True)[0].decode()
         fleet.heartbeat(
             session,
             replica_id=self.replica_id,
@@ -182,14 +191,14 @@ class ReplicaAgent:
 
     def _reconcile_pins(self, session: Session) -> None:
         wanted = {info.ref_id: info.ref for info in fleet.pins_in_force(session)}
-        self._on_engine(self.state.engine.set_adapter_pins(wanted))
+        self._on_engine(self.replica.engine.set_adapter_pins(wanted))
 
     def _resident_ids(self) -> set[str]:
-        pinned = self.state.engine.stats().adapters.pinned
-        return set(self.state.engine.adapter_residency()) | set(pinned)
+        pinned = self.replica.engine.stats().adapters.pinned
+        return set(self.replica.engine.adapter_residency()) | set(pinned)
 
     def _evict(self, ref_ids: list[str]) -> None:
-        for ref_id in self._on_engine(self.state.engine.evict_adapters(ref_ids)):
+        for ref_id in self._on_engine(self.replica.engine.evict_adapters(ref_ids)):
             logger.info("adapter %s still serves in-flight requests: its slot is freed after them", ref_id)
 
     def _on_engine(self, call: Coroutine[Any, Any, T]) -> T:
@@ -199,25 +208,23 @@ class ReplicaAgent:
         return future.result(timeout=ENGINE_CALL_TIMEOUT_S)
 
 
-def start_agent(state: AppState) -> ReplicaAgent:
-    """Join the fleet (from the app's lifespan, on its event loop); idempotent. The agent stops and
-    leaves on drain. Also labels this replica's /metrics with `replica`."""
-    if state.fleet_agent is not None:
-        return state.fleet_agent
-    settings = state.settings
-    engine = make_engine(
-        settings.db_url, connect_timeout_s=DB_CONNECT_TIMEOUT_S, read_timeout_s=DB_READ_TIMEOUT_S
-    )
+def start_agent(
+    replica: ThisReplica, *, metrics: Metrics | None, db_url: str, wakeup: threading.Event
+) -> ReplicaAgent:
+    """Join the fleet (from the app's lifespan, on its event loop) with a database engine of the
+    agent's own; the caller stops it with `agent.stop()` at shutdown. Also labels this replica's
+    /metrics with `replica`."""
+    db = make_engine(db_url, connect_timeout_s=DB_CONNECT_TIMEOUT_S, read_timeout_s=DB_READ_TIMEOUT_S)
     agent = ReplicaAgent(
-        state,
+        replica,
+        metrics=metrics,
         loop=asyncio.get_running_loop(),
-        replica_id=replica_id_of(settings),
-        sessions=session_factory(engine),
-        dispose=engine.dispose,
+        sessions=session_factory(db),
+        wakeup=wakeup,
+        db=db,
     )
-    if state.metrics is not None:
-        state.metrics.replica = agent.replica_id
-    state.fleet_agent = agent  # stopped by the app's shut_down
+    if metrics is not None:
+        metrics.replica = agent.replica_id
     agent.start()
     logger.info("replica %s joined the fleet", agent.replica_id)
     return agent

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.settings import Settings
-from api.state import AppState
+from api.tenancy.admission import Admission
+from base_engine.async_engine import AsyncEngine
+from registry.disk_cache import DiskTier
 from registry.fleet_models import ReplicaState
 
 
@@ -28,33 +30,44 @@ class Snapshot:
     residency: dict[str, list[str]]  # {"gpu": [ref ids], "cpu": [...], "pinned": [...], "disk": [keys]}
 
 
-def replica_state(state: AppState) -> ReplicaState:
-    if state.admission.is_draining:
-        return ReplicaState.DRAINING
-    if not state.engine_is_running:
-        return ReplicaState.STARTING
-    return ReplicaState.READY if state.engine.is_healthy else ReplicaState.UNHEALTHY
+@dataclass(frozen=True, slots=True)
+class ThisReplica:
+    """This process as the fleet sees it: its id, when it started, whether it is in a fleet, and the
+    live parts its snapshot reads."""
 
+    replica_id: str
+    started_at: int  # Unix seconds
+    is_fleet: bool
+    engine: AsyncEngine
+    admission: Admission
+    disk: DiskTier
 
-def take_snapshot(state: AppState) -> Snapshot:
-    stats = state.engine.stats()
-    adapters = stats.adapters
-    residency = state.engine.adapter_residency()
-    summary = {
-        "num_running": stats.num_running,
-        "num_waiting": stats.num_waiting,
-        "kv_cache_usage": round(float(stats.kv_cache_usage), 4),
-        "num_in_flight": state.admission.num_in_flight,
-        "num_adapter_slots": adapters.num_slots,
-        "num_adapter_loads": adapters.loads,
-    }
-    return Snapshot(
-        state=replica_state(state),
-        stats=summary,
-        residency={
-            "gpu": sorted(r for r, tier in residency.items() if tier == "gpu"),
-            "cpu": sorted(r for r, tier in residency.items() if tier == "cpu"),
-            "pinned": sorted(adapters.pinned),
-            "disk": sorted(state.disk.entries()),
-        },
-    )
+    def state(self) -> ReplicaState:
+        if self.admission.is_draining:
+            return ReplicaState.DRAINING
+        if not self.engine.is_running:
+            return ReplicaState.STARTING
+        return ReplicaState.READY if self.engine.is_healthy else ReplicaState.UNHEALTHY
+
+    def snapshot(self) -> Snapshot:
+        stats = self.engine.stats()
+        adapters = stats.adapters
+        residency = self.engine.adapter_residency()
+        summary = {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_cache_usage": round(float(stats.kv_cache_usage), 4),
+            "num_in_flight": self.admission.num_in_flight,
+            "num_adapter_slots": adapters.num_slots,
+            "num_adapter_loads": adapters.loads,
+        }
+        return Snapshot(
+            state=self.state(),
+            stats=summary,
+            residency={
+                "gpu": sorted(r for r, tier in residency.items() if tier == "gpu"),
+                "cpu": sorted(r for r, tier in residency.items() if tier == "cpu"),
+                "pinned": sorted(adapters.pinned),
+                "disk": sorted(self.disk.entries()),
+            },
+        )

@@ -1,18 +1,18 @@
 """Read models of the fleet for the admin API and the console: replicas with residency, merged metrics.
 
-`fleet_replicas(state, session)`: in fleet mode every replica's row (state "lost" when silent for
+`fleet_view(session, replica=...)`: in fleet mode every replica's row (state "lost" when silent for
 longer than `LOST_AFTER_S`); in single-process mode this one process, built live from the same
 snapshot the agent writes, so `GET /admin/api/fleet` and the console's Fleet page have one shape.
 Residency names adapters as people do (tenant, `name@version`, tier, pinned): the engine's ids map
 to ready versions, disk-tier entries (`<weights sha256>-<config sha256>`) to every version with
 those bytes.
 
-`fleet_metrics(state, session)`: Prometheus scrapes each replica's own /metrics; behind a single HTTP
-entry point (Ray Serve) a scraper reaches one replica at a time, so each replica also stores its
-latest exposition (replica label on every series) with its heartbeat, and this merges the live
-replicas' snapshots into one exposition, one family at a time (a text concatenation would repeat
-HELP/TYPE lines), plus `loraserve_fleet_replica_up{replica}` (1 live, 0 lost) for every row.
-Snapshots are at most `METRICS_EVERY` heartbeats old.
+`fleet_metrics(session, metrics=..., is_fleet=...)`: Prometheus scrapes each replica's own /metrics;
+behind a single HTTP entry point (Ray Serve) a scraper reaches one replica at a time, so each
+replica also stores its latest exposition (replica label on every series) with its heartbeat, and
+this merges the live replicas' snapshots into one exposition, one family at a time (a text
+concatenation would repeat HELP/TYPE lines), plus `loraserve_fleet_replica_up{replica}` (1 live,
+0 lost) for every row. Snapshots are at most `METRICS_EVERY` heartbeats old.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session
 
 from api.fleet.agent import LOST_AFTER_S
-from api.fleet.snapshot import replica_id_of, take_snapshot
-from api.state import AppState
+from api.fleet.snapshot import ThisReplica
+from api.metrics.prometheus import Metrics
 from registry import fleet
 from registry.adapters import list_adapters
 from registry.fleet import ReplicaInfo
@@ -45,14 +45,14 @@ def _ts(value: datetime | None) -> int | None:
     return int(value.timestamp()) if value is not None else None
 
 
-def _local_replica(state: AppState) -> ReplicaInfo:
-    snap = take_snapshot(state)
+def _local_replica(replica: ThisReplica) -> ReplicaInfo:
+    snap = replica.snapshot()
     now = datetime.now(UTC)
     return ReplicaInfo(
-        replica_id=replica_id_of(state.settings),
+        replica_id=replica.replica_id,
         host=socket.gethostname(),
         pid=os.getpid(),
-        started_at=datetime.fromtimestamp(state.started_at, UTC),
+        started_at=datetime.fromtimestamp(replica.started_at, UTC),
         last_seen=now,
         state=snap.state.value,
         stats=snap.stats,
@@ -61,9 +61,9 @@ def _local_replica(state: AppState) -> ReplicaInfo:
     )
 
 
-def replicas(state: AppState, session: Session) -> list[ReplicaInfo]:
-    if not state.settings.fleet:
-        return [_local_replica(state)]
+def replicas(session: Session, *, replica: ThisReplica) -> list[ReplicaInfo]:
+    if not replica.is_fleet:
+        return [_local_replica(replica)]
     return fleet.list_replicas(session, lost_after_s=LOST_AFTER_S)
 
 
@@ -94,9 +94,9 @@ def adapters_on(
     return sorted(rows, key=lambda r: (TIER_ORDER.index(r["residency"]), r["tenant_name"] or "", r["id"]))
 
 
-def fleet_view(state: AppState, session: Session) -> dict[str, Any]:
+def fleet_view(session: Session, *, replica: ThisReplica) -> dict[str, Any]:
     """`GET /admin/api/fleet`: every replica with state, last_seen and residency."""
-    rows = replicas(state, session)
+    rows = replicas(session, replica=replica)
     versions = list_adapters(session, tenant_id=None)
     names = {t.id: t.name for t in list_tenants(session, include_deleted=True)}
     data = [
@@ -117,8 +117,8 @@ def fleet_view(state: AppState, session: Session) -> dict[str, Any]:
     return {
         "object": "list",
         "data": data,
-        "is_fleet": state.settings.fleet,
-        "replica": replica_id_of(state.settings),  # the one that answered
+        "is_fleet": replica.is_fleet,
+        "replica": replica.replica_id,  # the one that answered
         "lost_after_s": LOST_AFTER_S,
     }
 
@@ -143,12 +143,12 @@ def merge_expositions(texts: Iterable[str]) -> bytes:
     return generate_latest(_Families(merged.values()))
 
 
-def fleet_metrics(state: AppState, session: Session) -> bytes:
+def fleet_metrics(session: Session, *, metrics: Metrics | None, is_fleet: bool) -> bytes:
     """`GET /admin/api/fleet/metrics`: every live replica's latest snapshot, merged (see above)."""
-    if state.metrics is None:
+    if metrics is None:
         return b""
-    if not state.settings.fleet:
-        return state.metrics.render(include_tenants=True)[0]
+    if not is_fleet:
+        return metrics.render(include_tenants=True)[0]
     snapshots = fleet.replica_metrics(session, lost_after_s=LOST_AFTER_S)
     up = CollectorRegistry()
     gauge = Gauge(

@@ -30,7 +30,7 @@ async def import_adapter(
     body: ImportRequest, response: Response, state: StateDep, caller: TenantDep
 ) -> dict[str, Any]:
     view, is_new = await adapter_import.import_adapter(
-        state=state, caller=caller, name=body.name, uri=body.uri
+        registrar=state.registrar, settings=state.settings, caller=caller, name=body.name, uri=body.uri
     )
     if not is_new:  # byte-identical to the latest version: that version, nothing created
         response.status_code = 200
@@ -42,7 +42,11 @@ async def import_adapter_for_tenant(
     tenant_id: str, body: ImportRequest, response: Response, state: StateDep, _: AdminDep
 ) -> dict[str, Any]:
     view, is_new = await adapter_import.import_adapter_for_tenant(
-        state=state, tenant_id=tenant_id, name=body.name, uri=body.uri
+        registrar=state.registrar,
+        settings=state.settings,
+        tenant_id=tenant_id,
+        name=body.name,
+        uri=body.uri,
     )
     if not is_new:
         response.status_code = 200

@@ -16,7 +16,9 @@ router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
 
 @router.post("", status_code=201, responses=responses(400, 401, 404, 409, 413, 429))
 async def upload(request: Request, response: Response, state: StateDep, caller: TenantDep) -> dict[str, Any]:
-    view, is_new = await adapter_service.upload_adapter(state=state, request=request, caller=caller)
+    view, is_new = await adapter_service.upload_adapter(
+        registrar=state.registrar, request=request, caller=caller
+    )
     if not is_new:  # byte-identical to the latest version: that version, nothing created
         response.status_code = 200
     return view
@@ -24,13 +26,15 @@ async def upload(request: Request, response: Response, state: StateDep, caller: 
 
 @router.get("", responses=responses(401))
 def list_adapters(state: StateDep, session: SessionDep, caller: TenantDep) -> dict[str, Any]:
-    data = adapter_service.list_own_adapters(state=state, session=session, caller=caller)
+    data = adapter_service.list_own_adapters(session=session, residency=state.residency, caller=caller)
     return {"object": "list", "data": data}
 
 
 @router.get("/{name}", responses=responses(401, 404))
 def get_adapter(name: str, state: StateDep, session: SessionDep, caller: TenantDep) -> dict[str, Any]:
-    return adapter_service.get_own_adapter(state=state, session=session, caller=caller, name=name)
+    return adapter_service.get_own_adapter(
+        session=session, residency=state.residency, caller=caller, name=name
+    )
 
 
 @router.delete("/{name}", responses=responses(400, 401, 404))

@@ -69,17 +69,23 @@ def get_tenant(tenant_id: str, _: AdminDep, session: SessionDep) -> dict[str, An
 
 @router.post("/tenants/{tenant_id}/suspend", responses=responses(401, 404))
 def suspend_tenant(tenant_id: str, _: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
-    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.SUSPENDED, state=state)
+    return svc.set_status(
+        session, tenant_id=tenant_id, status=TenantStatus.SUSPENDED, fleet_sync=state.fleet_sync
+    )
 
 
 @router.post("/tenants/{tenant_id}/activate", responses=responses(401, 404))
 def activate_tenant(tenant_id: str, _: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
-    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.ACTIVE, state=state)
+    return svc.set_status(
+        session, tenant_id=tenant_id, status=TenantStatus.ACTIVE, fleet_sync=state.fleet_sync
+    )
 
 
 @router.delete("/tenants/{tenant_id}", responses=responses(401, 404))
 def delete_tenant(tenant_id: str, _: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
-    return svc.set_status(session, tenant_id=tenant_id, status=TenantStatus.DELETED, state=state)
+    return svc.set_status(
+        session, tenant_id=tenant_id, status=TenantStatus.DELETED, fleet_sync=state.fleet_sync
+    )
 
 
 @router.put("/tenants/{tenant_id}/quotas", responses=responses(400, 401, 404))
@@ -106,21 +112,39 @@ def revoke_key(tenant_id: str, prefix: str, _: AdminDep, session: SessionDep) ->
 def list_adapters(
     _: AdminDep, state: StateDep, session: SessionDep, tenant_id: str | None = None
 ) -> dict[str, Any]:
-    return _list(svc.all_adapters(state, session, tenant_id=tenant_id))
+    return _list(svc.all_adapters(session, residency=state.residency, tenant_id=tenant_id))
 
 
 @router.post("/tenants/{tenant_id}/adapters/{name}/pin", responses=responses(400, 401, 404, 409))
 async def pin_adapter(
     tenant_id: str, name: str, _: AdminDep, state: StateDep, session: SessionDep, version: VersionQuery = None
 ) -> dict[str, Any]:
-    return await svc.pin(state, session, tenant_id=tenant_id, name=name, version=version, is_pin=True)
+    return await svc.pin(
+        session,
+        engine=state.engine,
+        residency=state.residency,
+        fleet_sync=state.fleet_sync,
+        tenant_id=tenant_id,
+        name=name,
+        version=version,
+        is_pin=True,
+    )
 
 
 @router.post("/tenants/{tenant_id}/adapters/{name}/unpin", responses=responses(400, 401, 404, 409))
 async def unpin_adapter(
     tenant_id: str, name: str, _: AdminDep, state: StateDep, session: SessionDep, version: VersionQuery = None
 ) -> dict[str, Any]:
-    return await svc.pin(state, session, tenant_id=tenant_id, name=name, version=version, is_pin=False)
+    return await svc.pin(
+        session,
+        engine=state.engine,
+        residency=state.residency,
+        fleet_sync=state.fleet_sync,
+        tenant_id=tenant_id,
+        name=name,
+        version=version,
+        is_pin=False,
+    )
 
 
 @router.delete("/tenants/{tenant_id}/adapters/{name}", responses=responses(400, 401, 404))
@@ -129,14 +153,21 @@ async def delete_adapter(
 ) -> dict[str, Any]:
     """Soft-delete a tenant's adapter (all versions, or `version`): it stops serving at once and, in a
     fleet, every replica evicts it."""
-    return await svc.delete_adapter_versions(state, session, tenant_id=tenant_id, name=name, version=version)
+    return await svc.delete_adapter_versions(
+        session,
+        engine=state.engine,
+        fleet_sync=state.fleet_sync,
+        tenant_id=tenant_id,
+        name=name,
+        version=version,
+    )
 
 
 @router.get("/fleet", responses=responses(401))
 def fleet(_: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
     """Replicas with state (ready, draining, lost, ...), last_seen, engine summary and residency; in
     single-process mode this process alone."""
-    return fleet_view(state, session)
+    return fleet_view(session, replica=state.replica)
 
 
 @router.get(
@@ -147,7 +178,8 @@ def fleet(_: AdminDep, state: StateDep, session: SessionDep) -> dict[str, Any]:
 def fleet_metrics(_: AdminDep, state: StateDep, session: SessionDep) -> Response:
     """Every live replica's latest /metrics snapshot (a `replica` label on each series), merged: for
     deployments with one HTTP entry point, where a scrape of /metrics reaches one replica."""
-    return Response(views.fleet_metrics(state, session), media_type=CONTENT_TYPE_LATEST)
+    body = views.fleet_metrics(session, metrics=state.metrics, is_fleet=state.settings.fleet)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/audit", responses=responses(400, 401))
@@ -164,4 +196,4 @@ def audit(
 @router.get("/engine", responses=responses(401))
 def engine(_: AdminDep, state: StateDep) -> dict[str, Any]:
     """Live engine statistics (KV blocks in use, queue depths, prefix-cache counters, adapter cache)."""
-    return svc.engine_stats(state)
+    return svc.engine_stats(engine=state.engine, admission=state.admission)

@@ -3,7 +3,7 @@
 Both are `async` and touch no thread pool: `/health` (liveness) looks only at this process; `/ready`
 awaits its dependency probes (api/http/blocking.py: single-flight, in their own pool) for at most
 `ready_timeout_s` each, so neither can queue behind hung uploads, a hung object store or database, or
-a saturated worker pool (issue 13).
+a saturated worker pool.
 """
 
 from __future__ import annotations

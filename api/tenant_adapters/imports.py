@@ -1,4 +1,4 @@
-"""Adapters by reference (issue 15): register an adapter from an object-store prefix, no multipart.
+"""Adapters by reference: register an adapter from an object-store prefix, no multipart.
 
 `POST /v1/adapters/import` (tenant key) and `POST /admin/api/tenants/{id}/adapters/import` (admin key)
 take `{"name", "uri"}`; `uri` must pass api/tenant_adapters/import_sources.py (allowlist, never the
@@ -8,7 +8,7 @@ like an upload (api/tenant_adapters/service.py) and under the same `max_concurre
 1. opens the source with the registry's store opener (connect/read timeouts, bounded attempts);
 2. reads each object's size (HEAD) and refuses one past the upload limits with 413 before
    downloading anything, then downloads both into a temporary directory (sizes checked again);
-3. registers them through the upload's own path (`adapter_service._register_in_worker`), so
+3. registers them through the upload's own path (`service.register_in_worker`), so
    fail-closed validation, quotas, the base-name refusal and identical-files dedupe all apply.
 Errors: a missing object is 400 naming it, an invalid adapter 400 `invalid_adapter` with the
 validator's cause (as for an upload: this API answers invalid input with 400, never 422), an
@@ -25,15 +25,12 @@ from typing import Any
 
 from api.deps import Caller
 from api.errors import APIError, from_registry_error
-from api.state import AppState
+from api.settings import Settings
 from api.tenant_adapters.import_sources import ImportSource, check_local_object, check_source
-from api.tenant_adapters.service import (
-    UPLOAD_RETRY_AFTER_S,
-    _register_in_worker,
-    run_registration,
-    version_view,
-)
+from api.tenant_adapters.registrar import Registrar
+from api.tenant_adapters.service import UPLOAD_RETRY_AFTER_S, register_in_worker, run_registration
 from api.tenant_adapters.uploads import MAX_CONFIG_BYTES, UploadLimits
+from api.tenant_adapters.views import version_view
 from registry.adapters import Registration
 from registry.errors import NotFound, ObjectNotFound, RegistryError
 from registry.models import TenantStatus
@@ -55,21 +52,22 @@ class AdminCaller(Caller):
 
 
 async def import_adapter(
-    *, state: AppState, caller: Caller, name: str, uri: str
+    *, registrar: Registrar, settings: Settings, caller: Caller, name: str, uri: str
 ) -> tuple[dict[str, Any], bool]:
-    """The registered version's view and whether it is new (False: identical to the latest version)."""
-    return await _import(state, lambda: caller, name, uri)
+    """The registered version's view and whether it is new (False: identical to the latest version).
+    `settings`: the allowed sources and the timeouts of the source's store."""
+    return await _import(registrar, settings, lambda: caller, name, uri)
 
 
 async def import_adapter_for_tenant(
-    *, state: AppState, tenant_id: str, name: str, uri: str
+    *, registrar: Registrar, settings: Settings, tenant_id: str, name: str, uri: str
 ) -> tuple[dict[str, Any], bool]:
     """`import_adapter` by the admin into `tenant_id` (404 for an unknown or deleted tenant)."""
-    return await _import(state, lambda: _admin_caller(state, tenant_id), name, uri)
+    return await _import(registrar, settings, lambda: _admin_caller(registrar, tenant_id), name, uri)
 
 
-def _admin_caller(state: AppState, tenant_id: str) -> Caller:
-    with state.sessions() as session:
+def _admin_caller(registrar: Registrar, tenant_id: str) -> Caller:
+    with registrar.sessions() as session:
         tenant = get_tenant(session, tenant_id=tenant_id)
     if tenant.status != TenantStatus.ACTIVE.value:
         raise NotFound("tenant", tenant_id)
@@ -77,26 +75,30 @@ def _admin_caller(state: AppState, tenant_id: str) -> Caller:
 
 
 async def _import(
-    state: AppState, who: Callable[[], Caller], name: str, uri: str
+    registrar: Registrar, settings: Settings, who: Callable[[], Caller], name: str, uri: str
 ) -> tuple[dict[str, Any], bool]:
     try:
         check_name("adapter", name)  # before any download; registration checks it again
     except RegistryError as exc:
         raise from_registry_error(exc) from None
-    source = check_source(state.settings, uri)
+    source = check_source(settings, uri)
 
     async def prepare(tmp: Path) -> tuple[str, Callable[[], Registration]]:
-        return name, lambda: _import_in_worker(state, who, name, source, tmp)
+        return name, lambda: _import_in_worker(registrar, settings, who, name, source, tmp)
 
-    registration = await run_registration(state, prepare, what="import", on_error=import_error)
-    return version_view(state, registration.info), registration.is_new
+    registration = await run_registration(registrar, prepare, what="import", on_error=import_error)
+    return version_view(registration.info, residency=registrar.residency), registration.is_new
 
 
 def _import_in_worker(
-    state: AppState, who: Callable[[], Caller], name: str, source: ImportSource, tmp: Path
+    registrar: Registrar,
+    settings: Settings,
+    who: Callable[[], Caller],
+    name: str,
+    source: ImportSource,
+    tmp: Path,
 ) -> Registration:
     caller = who()
-    settings = state.settings
     if source.scheme == "file":  # again with symlinks resolved, now that we are off the event loop
         source = check_source(settings, source.uri, resolve=True)
         for key in (CONFIG_FILE, WEIGHTS_FILE):
@@ -107,8 +109,8 @@ def _import_in_worker(
         connect_timeout_s=settings.store_connect_timeout_s,
         read_timeout_s=settings.store_read_timeout_s,
     )
-    download_adapter_files(store, tmp, state.upload_limits)
-    return _register_in_worker(state, caller, name, tmp)
+    download_adapter_files(store, tmp, registrar.limits)
+    return register_in_worker(registrar, caller, name, tmp)
 
 
 def download_adapter_files(store: ObjectStore, dest: Path, limits: UploadLimits) -> None:

@@ -1,4 +1,4 @@
-"""Adapter REST service functions (tenant side) and the JSON views shared with the admin API.
+"""Adapter REST service functions (tenant side): upload, list, inspect, delete.
 
 Upload: the body is streamed into a temporary directory (api/tenant_adapters/uploads.py), then the registry
 validates it against the served base model (`adapters.validation`) *before* anything is stored and
@@ -31,13 +31,13 @@ from sqlalchemy.orm import Session
 from api.deps import Caller
 from api.errors import APIError, from_registry_error
 from api.http.blocking import UploadGate
-from api.state import AppState
+from api.tenant_adapters.registrar import Registrar
 from api.tenant_adapters.uploads import receive_adapter_upload
+from api.tenant_adapters.views import Residency, adapter_views, version_view
 from registry.adapters import Registration, delete_adapter, get_adapter, list_adapters, register_adapter
 from registry.audit import record_audit
 from registry.errors import RegistryError
 from registry.fleet import delete_adapter as fleet_delete_adapter
-from registry.types import AdapterVersionInfo
 
 logger = logging.getLogger(__name__)
 
@@ -55,51 +55,16 @@ def _load_malloc_trim() -> Any:
 _malloc_trim = _load_malloc_trim()
 
 
-def version_view(state: AppState, info: AdapterVersionInfo) -> dict[str, Any]:
-    return {
-        "object": "adapter.version",
-        "id": f"{info.name}@{info.version}",
-        "name": info.name,
-        "version": info.version,
-        "status": info.status,
-        "base_model": info.base_model,
-        "sha256": info.sha256,
-        "config_sha256": info.config_sha256,
-        "rank": info.max_rank,
-        "ranks": info.ranks,
-        "modules": list(info.modules),
-        "size": info.size_bytes,
-        "created_at": int(info.created_at.timestamp()),
-        "residency": state.residency(info),
-    }
-
-
-def adapter_views(state: AppState, versions: list[AdapterVersionInfo]) -> list[dict[str, Any]]:
-    """One entry per (tenant, name), versions oldest first; `latest_version` is what `name` resolves to."""
-    grouped: dict[tuple[str, str], list[AdapterVersionInfo]] = {}
-    for info in versions:
-        grouped.setdefault((info.tenant_id, info.name), []).append(info)
-    return [
-        {
-            "object": "adapter",
-            "name": name,
-            "latest_version": max(v.version for v in infos),
-            "versions": [version_view(state, v) for v in sorted(infos, key=lambda v: v.version)],
-        }
-        for (_, name), infos in grouped.items()
-    ]
-
-
-def _register(state: AppState, caller: Caller, name: str, files_dir: Path) -> Registration:
-    with state.sessions() as session:
+def _register(registrar: Registrar, caller: Caller, name: str, files_dir: Path) -> Registration:
+    with registrar.sessions() as session:
         registration = register_adapter(
             session,
-            state.store,
+            registrar.store,
             tenant_id=caller.tenant.id,
             name=name,
             files_dir=files_dir,
-            validate=state.validator(),
-            base_model=state.model_name,
+            validate=registrar.validate,
+            base_model=registrar.base_model,
         )
         info = registration.info
         record_audit(
@@ -113,25 +78,28 @@ def _register(state: AppState, caller: Caller, name: str, files_dir: Path) -> Re
     return registration
 
 
-def _register_in_worker(state: AppState, caller: Caller, name: str, files_dir: Path) -> Registration:
+def register_in_worker(registrar: Registrar, caller: Caller, name: str, files_dir: Path) -> Registration:
+    """Register the two PEFT files in `files_dir` as `name` of the caller's tenant (in the upload pool)."""
     try:
-        return _register(state, caller, name, files_dir)
+        return _register(registrar, caller, name, files_dir)
     finally:
         if _malloc_trim is not None:
             _malloc_trim(0)  # hand freed validation buffers back to the OS now, not at some later peak
 
 
-async def upload_adapter(*, state: AppState, request: Request, caller: Caller) -> tuple[dict[str, Any], bool]:
+async def upload_adapter(
+    *, registrar: Registrar, request: Request, caller: Caller
+) -> tuple[dict[str, Any], bool]:
     """The stored version's view and whether it is new (False: identical to the latest version)."""
 
     async def receive(tmp: Path) -> tuple[str, Callable[[], Registration]]:
         name = await receive_adapter_upload(
-            request, tmp, max_bytes=state.upload_limits.body_bytes, executor=state.pools.uploads
+            request, tmp, max_bytes=registrar.limits.body_bytes, executor=registrar.pool
         )
-        return name, lambda: _register_in_worker(state, caller, name, tmp)
+        return name, lambda: register_in_worker(registrar, caller, name, tmp)
 
-    registration = await run_registration(state, receive, what="upload", on_error=_upload_error)
-    return version_view(state, registration.info), registration.is_new
+    registration = await run_registration(registrar, receive, what="upload", on_error=_upload_error)
+    return version_view(registration.info, residency=registrar.residency), registration.is_new
 
 
 def _upload_error(exc: RegistryError) -> APIError:
@@ -142,7 +110,7 @@ def _upload_error(exc: RegistryError) -> APIError:
 
 
 async def run_registration(
-    state: AppState,
+    registrar: Registrar,
     prepare: Callable[[Path], Awaitable[tuple[str, Callable[[], Registration]]]],
     *,
     what: str,
@@ -153,7 +121,7 @@ async def run_registration(
     and returns (name, the worker's job); the job runs in the upload pool, waited for at most
     `upload_timeout_s` (504; the worker then finishes on its own), and the slot and the directory are
     released whenever the worker ends."""
-    settings, gate = state.settings, state.upload_gate
+    gate, timeout_s = registrar.gate, registrar.timeout_s
     if not gate.try_enter():
         raise APIError(
             429,
@@ -161,25 +129,25 @@ async def run_registration(
             code="too_many_uploads",
             headers={"Retry-After": str(UPLOAD_RETRY_AFTER_S)},
         )
-    uploads = settings.data_dir / "uploads"
+    uploads = registrar.uploads_dir
     tmp: Path | None = None
     job: Future[Registration] | None = None
     try:
         uploads.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=uploads))
         name, work = await prepare(tmp)
-        job = state.pools.uploads.submit(work)
+        job = registrar.pool.submit(work)
         job.add_done_callback(lambda _: _finish_upload(gate, tmp))  # whenever the worker ends
         result = asyncio.wrap_future(job)
         result.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if nobody waits
         try:
             # shield: on timeout or disconnect only the wait ends; the worker finishes on its own.
-            return await asyncio.wait_for(asyncio.shield(result), settings.upload_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(result), timeout_s)
         except TimeoutError:
-            logger.warning("adapter %s %r: no result after %.0f s", what, name, settings.upload_timeout_s)
+            logger.warning("adapter %s %r: no result after %.0f s", what, name, timeout_s)
             raise APIError(
                 504,
-                f"the {what} was not stored within {settings.upload_timeout_s:g} s (the object store or "
+                f"the {what} was not stored within {timeout_s:g} s (the object store or "
                 "database is slow or unreachable); retry later",
                 code="upload_timeout",
                 headers={"Retry-After": str(UPLOAD_RETRY_AFTER_S)},
@@ -199,22 +167,22 @@ def _finish_upload(gate: UploadGate, tmp: Path | None) -> None:
         gate.leave()
 
 
-def list_own_adapters(*, state: AppState, session: Session, caller: Caller) -> list[dict[str, Any]]:
-    return adapter_views(state, list_adapters(session, tenant_id=caller.tenant.id))
+def list_own_adapters(*, session: Session, residency: Residency, caller: Caller) -> list[dict[str, Any]]:
+    return adapter_views(list_adapters(session, tenant_id=caller.tenant.id), residency=residency)
 
 
-def get_own_adapter(*, state: AppState, session: Session, caller: Caller, name: str) -> dict[str, Any]:
+def get_own_adapter(*, session: Session, residency: Residency, caller: Caller, name: str) -> dict[str, Any]:
     try:
         versions = get_adapter(session, tenant_id=caller.tenant.id, name=name)
     except RegistryError as exc:
         raise from_registry_error(exc) from None
-    return adapter_views(state, versions)[0]
+    return adapter_views(versions, residency=residency)[0]
 
 
 def delete_own_adapter(
     *, session: Session, caller: Caller, name: str, version: int | None, is_fleet: bool = False
 ) -> dict[str, Any]:
-    # Fleet mode (issue 16): the delete and its fleet event in one transaction, so every replica evicts it.
+    # A fleet: the delete and its fleet event in one transaction, so every replica evicts it.
     delete = fleet_delete_adapter if is_fleet else delete_adapter
     try:
         deleted = delete(session, tenant_id=caller.tenant.id, name=name, version=version)

@@ -9,6 +9,7 @@ single-process fleet view, and a hung database that ends a beat within the agent
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +51,8 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 
 def agent_of(state: AppState, loop: asyncio.AbstractEventLoop, replica_id: str = "solo") -> ReplicaAgent:
-    return ReplicaAgent(state, loop=loop, replica_id=replica_id, sessions=state.sessions)
+    replica = dataclasses.replace(state.replica, replica_id=replica_id)
+    return ReplicaAgent(replica, metrics=state.metrics, loop=loop, sessions=state.sessions)
 
 
 def uploaded(app: FastAPI, tiny_llama_dir: Path, tmp: Path, name: str) -> tuple[str, str]:
@@ -148,7 +150,12 @@ def test_a_hung_database_ends_a_beat_within_the_agents_timeout(
         proxy.hang()
         url = postgres_db_url.replace(host_port, proxy.url.removeprefix("http://"))
         engine = make_engine(url, connect_timeout_s=DB_CONNECT_TIMEOUT_S, read_timeout_s=2.0)
-        agent = ReplicaAgent(state, loop=loop, replica_id="cut-off", sessions=session_factory(engine))
+        agent = ReplicaAgent(
+            dataclasses.replace(state.replica, replica_id="cut-off"),
+            metrics=state.metrics,
+            loop=loop,
+            sessions=session_factory(engine),
+        )
         began = time.monotonic()
         agent.tick()  # never raises: serving must go on
         assert time.monotonic() - began < DB_CONNECT_TIMEOUT_S + 3

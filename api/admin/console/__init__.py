@@ -1,8 +1,9 @@
-"""Admin web console under `/admin`: tenants, adapters, live engine dashboard, usage (issue 8).
+"""Admin web console under `/admin`: tenants, adapters, live engine dashboard, usage.
 
 Server-rendered Jinja2 pages with a little JavaScript (charts drawn as inline SVG by
-static/charts.js: no third-party code, nothing fetched at run time). `install_console(app, state)`
-mounts the router, the login redirect, and the goodput window fed by the engine's finished requests.
+static/charts.js: no third-party code, nothing fetched at run time). `install_console(app, console)`
+mounts the router, the login redirect, and the goodput window fed by the engine's finished requests;
+the `Console` is built with its collaborators at start-up (api/bootstrap.py `build_console`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from api.admin.console.alarms import AlarmConfig
 from api.admin.console.auth import LoginRequired
 from api.admin.console.core import Console
 from api.admin.console.goodput import GoodputWindow, Slo
-from api.admin.console.sessions_db import open_session_store
-from api.state import AppState
 
 router = APIRouter(tags=["console"], include_in_schema=False)
 router.include_router(pages.router)
@@ -27,12 +26,10 @@ router.include_router(actions.router)
 __all__ = ["AlarmConfig", "Console", "GoodputWindow", "Slo", "install_console", "router"]
 
 
-def install_console(app: FastAPI, state: AppState, console: Console | None = None) -> Console:
+def install_console(app: FastAPI, console: Console) -> Console:
     """Mount the console on `app`; its goodput window listens to every finished engine request."""
-    # A fleet's login sessions live in the database (any replica serves them; restarts keep them).
-    console = console or Console(sessions=open_session_store(state.sessions, fleet=state.settings.fleet))
     app.state.console = console
-    state.engine.on_finished.append(console.goodput.observe)
+    console.services.engine.on_finished.append(console.goodput.observe)
 
     async def to_login(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, LoginRequired)

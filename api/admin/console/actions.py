@@ -18,7 +18,7 @@ from api.admin.console.auth import CsrfDep, clear_session_cookie
 from api.admin.console.core import ConsoleDep
 from api.admin.console.service import QUOTA_FIELDS, delete_adapter_version, parse_quotas
 from api.admin.console.sessions import ConsoleSession
-from api.deps import SessionDep, StateDep
+from api.deps import SessionDep
 from api.errors import APIError
 from registry.models import TenantStatus
 
@@ -102,7 +102,7 @@ async def set_quotas(tenant_id: str, request: Request, db: SessionDep, session: 
 
 @router.post("/tenants/{tenant_id}/status")
 def set_status(
-    tenant_id: str, state: StateDep, db: SessionDep, session: CsrfDep, status: Annotated[str, Form()] = ""
+    tenant_id: str, console: ConsoleDep, db: SessionDep, session: CsrfDep, status: Annotated[str, Form()] = ""
 ) -> Response:
     def act() -> str:
         try:
@@ -111,7 +111,7 @@ def set_status(
             raise APIError(
                 400, f"status must be one of {[s.value for s in TenantStatus]}, got {status!r}"
             ) from None
-        info = svc.set_status(db, tenant_id=tenant_id, status=new, state=state)
+        info = svc.set_status(db, tenant_id=tenant_id, status=new, fleet_sync=console.services.fleet_sync)
         return f"Tenant {info['name']} is now {info['status']}."
 
     back = "/admin/tenants" if status == TenantStatus.DELETED else f"/admin/tenants/{tenant_id}"
@@ -120,14 +120,37 @@ def set_status(
 
 @router.post("/adapters/{tenant_id}/{name}/{version}/{action}")
 async def adapter_action(
-    tenant_id: str, name: str, version: int, action: str, state: StateDep, db: SessionDep, session: CsrfDep
+    tenant_id: str,
+    name: str,
+    version: int,
+    action: str,
+    console: ConsoleDep,
+    db: SessionDep,
+    session: CsrfDep,
 ) -> Response:
+    services = console.services
     try:
         if action in ("pin", "unpin"):
-            await svc.pin(state, db, tenant_id=tenant_id, name=name, version=version, is_pin=action == "pin")
+            await svc.pin(
+                db,
+                engine=services.engine,
+                residency=services.residency,
+                fleet_sync=services.fleet_sync,
+                tenant_id=tenant_id,
+                name=name,
+                version=version,
+                is_pin=action == "pin",
+            )
             message = f"{name}@{version} {action}ned."
         elif action == "delete":
-            target = await delete_adapter_version(state, db, tenant_id=tenant_id, name=name, version=version)
+            target = await delete_adapter_version(
+                db,
+                engine=services.engine,
+                fleet_sync=services.fleet_sync,
+                tenant_id=tenant_id,
+                name=name,
+                version=version,
+            )
             message = f"{target} deleted: it is no longer served."
         else:
             raise APIError(404, f"unknown adapter action {action!r}, expected pin, unpin or delete")

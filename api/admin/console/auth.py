@@ -18,7 +18,6 @@ from fastapi.responses import Response
 from api.admin.console.core import ConsoleDep
 from api.admin.console.sessions import COOKIE_NAME, COOKIE_PATH, ConsoleSession
 from api.errors import APIError
-from api.state import AppState
 
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
@@ -33,12 +32,12 @@ class LoginRequired(Exception):
         self.next_path = next_path
 
 
-def check_admin_key(state: AppState, key: str) -> None:
-    """Raise APIError 403 for a tenant key, 401 for anything but the admin key."""
+def check_admin_key(admin_key: str, key: str) -> None:
+    """Raise APIError 403 for a tenant key, 401 for anything but `admin_key`."""
     key = key.strip()
     if key.startswith(TENANT_KEY_SCHEME):
         raise APIError(403, "Tenant API keys cannot sign in to the admin console.", code="tenant_key_refused")
-    if not key or not hmac.compare_digest(key.encode(), state.admin_key.encode()):
+    if not key or not hmac.compare_digest(key.encode(), admin_key.encode()):
         raise APIError(401, "Incorrect admin key.", code="invalid_admin_key")
 
 

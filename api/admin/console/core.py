@@ -1,4 +1,5 @@
-"""The console's own state (sessions, goodput window, alarm rules, templates) and page rendering.
+"""The console's collaborators (given at construction), its own state (sessions, goodput window,
+alarm rules, templates) and page rendering.
 
 Pages are server-rendered Jinja2 (autoescaped) with a strict Content-Security-Policy: scripts and
 styles only from /admin/static, no inline script or style, no framing, forms post only here.
@@ -6,6 +7,7 @@ styles only from /admin/static, no inline script or style, no framing, forms pos
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,6 +20,13 @@ from fastapi.templating import Jinja2Templates
 from api.admin.console.alarms import AlarmConfig
 from api.admin.console.goodput import GoodputWindow
 from api.admin.console.sessions import ConsoleSession, SessionStore
+from api.fleet.snapshot import ThisReplica
+from api.fleet.sync import FleetSync
+from api.metrics.prometheus import Metrics
+from api.tenancy.admission import Admission
+from api.tenant_adapters.views import Residency
+from base_engine.async_engine import AsyncEngine
+from registry.disk_cache import DiskTier
 
 HERE = Path(__file__).parent
 SECURITY_HEADERS = {
@@ -69,8 +78,25 @@ def make_templates() -> Jinja2Templates:
     return templates
 
 
+@dataclass(frozen=True, slots=True)
+class ConsoleServices:
+    """What the console's pages and actions work with, besides a database session per request."""
+
+    admin_key: str  # the one key that signs in
+    engine: AsyncEngine
+    admission: Admission
+    disk: DiskTier  # the local adapter tier (Overview's residency)
+    metrics: Metrics | None  # the metrics ring behind Overview's charts (None: live gauges only)
+    max_cpu_loras: int
+    residency: Residency
+    replica: ThisReplica  # the Fleet page in single-process mode
+    fleet_sync: FleetSync  # pin, unpin, delete and tenant status reach every replica
+    flush_usage: Callable[[], None]  # the usage meter's buffer into the database (APIError 503 if not)
+
+
 @dataclass
 class Console:
+    services: ConsoleServices
     goodput: GoodputWindow = field(default_factory=GoodputWindow)
     alarms: AlarmConfig = field(default_factory=AlarmConfig)
     sessions: SessionStore = field(default_factory=SessionStore)
@@ -97,7 +123,8 @@ class Console:
         return response
 
 
-def get_console(request: Request) -> Console:
+async def get_console(request: Request) -> Console:
+    # async: resolved on the event loop, not in anyio's worker pool (a sync dependency would be).
     return request.app.state.console
 
 

@@ -19,7 +19,8 @@ from sqlalchemy.orm import Session
 
 from api.admin.service import audit_view, key_view, tenant_view
 from api.routes.usage import COLUMNS, admin_summary
-from api.state import AppState
+from api.tenant_adapters.views import Residency
+from base_engine.async_engine import AsyncEngine
 from registry.adapters import list_adapters
 from registry.audit import list_audit
 from registry.keys import list_keys
@@ -133,20 +134,22 @@ class AdapterRow:
         return f"{self.tenant_id}/{self.name}@{self.version}"
 
 
-def adapter_rows(state: AppState, session: Session, *, tenant_id: str | None = None) -> list[AdapterRow]:
+def adapter_rows(
+    session: Session, *, engine: AsyncEngine, residency: Residency, tenant_id: str | None = None
+) -> list[AdapterRow]:
     """Every tenant's ready adapter versions with residency, pin state and request/token counts."""
     tenants: dict[str, TenantInfo] = {t.id: t for t in list_tenants(session, include_deleted=True)}
     versions = list_adapters(session, tenant_id=tenant_id)
-    pinned = set(_pinned(state))
+    pinned = set(_pinned(engine))
     usage: dict[str, dict[str, UsageGroup]] = {}
     for owner in dict.fromkeys(v.tenant_id for v in versions):
         groups = usage_summary(session, tenant_id=owner, group_by="adapter")
         usage[owner] = {g.key: g for g in groups}
-    return [_adapter_row(state, v, tenants, pinned, usage[v.tenant_id]) for v in versions]
+    return [_adapter_row(residency, v, tenants, pinned, usage[v.tenant_id]) for v in versions]
 
 
 def _adapter_row(
-    state: AppState,
+    residency: Residency,
     info: AdapterVersionInfo,
     tenants: dict[str, TenantInfo],
     pinned: set[str],
@@ -163,14 +166,14 @@ def _adapter_row(
         size_bytes=info.size_bytes,
         sha256=info.sha256,
         status=info.status,
-        residency=state.residency(info),
+        residency=residency.of(info),
         is_pinned=info.ref_id in pinned,
         usage=usage.get(f"{info.name}@{info.version}", NO_USAGE),
     )
 
 
-def _pinned(state: AppState) -> list[str]:
-    return list(state.engine.stats().adapters.pinned)
+def _pinned(engine: AsyncEngine) -> list[str]:
+    return list(engine.stats().adapters.pinned)
 
 
 @dataclass(frozen=True, slots=True)

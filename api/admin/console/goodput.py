@@ -19,7 +19,7 @@ from base_engine.outputs import RequestOutput
 
 @dataclass(frozen=True, slots=True)
 class Slo:
-    ttft_s: float = 2.0  # the CPU-sized SLO of benchmarks/serving.py (issue 6)
+    ttft_s: float = 2.0  # the CPU-sized SLO of benchmarks/serving.py
     tpot_s: float = 0.2
 
     def __post_init__(self) -> None:

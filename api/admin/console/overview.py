@@ -14,19 +14,21 @@ from dataclasses import asdict
 from typing import Any
 
 from api.admin.console.alarms import AlarmConfig, evaluate
+from api.admin.console.core import ConsoleServices
 from api.admin.console.goodput import GoodputWindow
-from api.state import AppState
+from api.metrics.prometheus import Metrics
 from base_engine.outputs import EngineStats
+from registry.disk_cache import DiskTier
 
 TIMERS = ("ttft", "itl", "queue", "prefill")
 PERCENTILES = ("p50", "p95", "p99")
 GAUGES = ("kv_cache_usage", "num_waiting", "preemptions", "prefix_cache_hit_rate")
 
 
-def _timeseries(state: AppState) -> dict[str, Any]:
-    if state.metrics is None:  # a server built without issue 7's metrics: live gauges only
+def _timeseries(metrics: Metrics | None) -> dict[str, Any]:
+    if metrics is None:  # a server built without the metrics ring: live gauges only
         return {"t": [], "series": {}, "interval_s": None, "window_s": None}
-    return dict(state.metrics.timeseries())
+    return dict(metrics.timeseries())
 
 
 def _latest(values: list[Any]) -> Any:
@@ -55,23 +57,20 @@ def live_numbers(stats: EngineStats, ts: dict[str, Any]) -> dict[str, Any]:
     return numbers
 
 
-def residency(state: AppState, stats: EngineStats) -> dict[str, Any]:
+def residency(stats: EngineStats, *, disk: DiskTier, max_cpu_loras: int) -> dict[str, Any]:
     a = stats.adapters
     return {
         "gpu": {"used": a.num_gpu, "total": a.num_slots, "pinned": len(a.pinned)},
-        "cpu": {"used": a.num_cpu, "total": state.settings.max_cpu_loras},
-        "disk": {
-            "used": len(state.disk.entries()),
-            "bytes": state.disk.num_bytes,
-            "max_bytes": state.disk.max_bytes,
-        },
+        "cpu": {"used": a.num_cpu, "total": max_cpu_loras},
+        "disk": {"used": len(disk.entries()), "bytes": disk.num_bytes, "max_bytes": disk.max_bytes},
     }
 
 
-def overview(state: AppState, goodput: GoodputWindow, alarm_config: AlarmConfig) -> dict[str, Any]:
-    """Everything the Overview page shows, as JSON for its refresh loop."""
-    stats = state.engine.stats()
-    ts = _timeseries(state)
+def overview(services: ConsoleServices, goodput: GoodputWindow, alarm_config: AlarmConfig) -> dict[str, Any]:
+    """Everything the Overview page shows, as JSON for its refresh loop: the engine's stats and
+    admission counts, the metrics ring, the disk tier (all from `services`), goodput and alarms."""
+    stats = services.engine.stats()
+    ts = _timeseries(services.metrics)
     good = goodput.snapshot()
     return {
         "now": time.time(),
@@ -80,7 +79,7 @@ def overview(state: AppState, goodput: GoodputWindow, alarm_config: AlarmConfig)
         "series": ts.get("series", {}),
         "interval_s": ts.get("interval_s"),
         "window_s": ts.get("window_s"),
-        "residency": residency(state, stats),
+        "residency": residency(stats, disk=services.disk, max_cpu_loras=services.max_cpu_loras),
         "goodput": {
             "ratio": good.ratio,
             "num_requests": good.num_requests,
@@ -93,6 +92,6 @@ def overview(state: AppState, goodput: GoodputWindow, alarm_config: AlarmConfig)
             "num_running": stats.num_running,
             "num_kv_blocks_used": stats.num_kv_blocks_used,
             "num_kv_blocks_total": stats.num_kv_blocks_total,
-            "num_in_flight": state.admission.num_in_flight,
+            "num_in_flight": services.admission.num_in_flight,
         },
     }

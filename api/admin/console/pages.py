@@ -11,14 +11,12 @@ from starlette.concurrency import run_in_threadpool
 
 from api.admin.console import data
 from api.admin.console.auth import LoginDep, check_admin_key, safe_next, set_session_cookie
-from api.admin.console.core import HERE, ConsoleDep
+from api.admin.console.core import HERE, Console, ConsoleDep
 from api.admin.console.overview import overview
 from api.admin.console.sessions import COOKIE_NAME
-from api.deps import SessionDep, StateDep
+from api.deps import SessionDep
 from api.errors import APIError, from_registry_error
 from api.fleet.views import fleet_view
-from api.routes.usage import flush_usage
-from api.state import AppState
 from registry.errors import RegistryError
 
 router = APIRouter(prefix="/admin")
@@ -44,12 +42,11 @@ def login_page(request: Request, console: ConsoleDep, next: str | None = None) -
 def login(
     request: Request,
     console: ConsoleDep,
-    state: StateDep,
     admin_key: Annotated[str, Form()] = "",
     next: Annotated[str, Form()] = "/admin",
 ) -> Response:
     try:
-        check_admin_key(state, admin_key)
+        check_admin_key(console.services.admin_key, admin_key)
     except APIError as exc:
         return console.page(
             request,
@@ -67,14 +64,14 @@ def login(
 
 
 @router.get("", response_class=HTMLResponse)
-def overview_page(request: Request, console: ConsoleDep, state: StateDep, session: LoginDep) -> Response:
-    snapshot = overview(state, console.goodput, console.alarms)
+def overview_page(request: Request, console: ConsoleDep, session: LoginDep) -> Response:
+    snapshot = overview(console.services, console.goodput, console.alarms)
     return console.page(request, "overview.html", session=session, data=snapshot)
 
 
 @router.get("/overview.json")
-def overview_json(console: ConsoleDep, state: StateDep, _: LoginDep) -> dict[str, Any]:
-    return overview(state, console.goodput, console.alarms)
+def overview_json(console: ConsoleDep, _: LoginDep) -> dict[str, Any]:
+    return overview(console.services, console.goodput, console.alarms)
 
 
 def _period(start: str | None, end: str | None) -> data.DateRange:
@@ -84,16 +81,14 @@ def _period(start: str | None, end: str | None) -> data.DateRange:
         raise APIError(400, str(exc), code="invalid_value", param="start") from None
 
 
-async def _flush_usage(state: AppState) -> None:
+async def _flush_usage(console: Console) -> None:
     """Usage pages include every request finished before them: flush the meter's buffer first."""
-    await run_in_threadpool(flush_usage, state)
+    await run_in_threadpool(console.services.flush_usage)
 
 
 @router.get("/tenants", response_class=HTMLResponse)
-async def tenants_page(
-    request: Request, console: ConsoleDep, state: StateDep, db: SessionDep, session: LoginDep
-) -> Response:
-    await _flush_usage(state)
+async def tenants_page(request: Request, console: ConsoleDep, db: SessionDep, session: LoginDep) -> Response:
+    await _flush_usage(console)
     period = data.DateRange.parse(None, None)
     rows = await run_in_threadpool(data.tenant_rows, db, period=period)
     return console.page(request, "tenants.html", session=session, rows=rows, period=period)
@@ -104,13 +99,12 @@ async def tenant_page(
     tenant_id: str,
     request: Request,
     console: ConsoleDep,
-    state: StateDep,
     db: SessionDep,
     session: LoginDep,
     start: str | None = None,
     end: str | None = None,
 ) -> Response:
-    await _flush_usage(state)
+    await _flush_usage(console)
     period = _period(start, end)
     try:
         detail = await run_in_threadpool(data.tenant_detail, db, tenant_id=tenant_id, period=period)
@@ -120,20 +114,19 @@ async def tenant_page(
 
 
 @router.get("/adapters", response_class=HTMLResponse)
-async def adapters_page(
-    request: Request, console: ConsoleDep, state: StateDep, db: SessionDep, session: LoginDep
-) -> Response:
-    await _flush_usage(state)
-    rows = await run_in_threadpool(data.adapter_rows, state, db)
+async def adapters_page(request: Request, console: ConsoleDep, db: SessionDep, session: LoginDep) -> Response:
+    await _flush_usage(console)
+    services = console.services
+    rows = await run_in_threadpool(
+        data.adapter_rows, db, engine=services.engine, residency=services.residency
+    )
     return console.page(request, "adapters.html", session=session, rows=rows)
 
 
 @router.get("/fleet", response_class=HTMLResponse)
-async def fleet_page(
-    request: Request, console: ConsoleDep, state: StateDep, db: SessionDep, session: LoginDep
-) -> Response:
-    """Replicas and what each holds (issue 16); in single-process mode this process alone."""
-    fleet = await run_in_threadpool(fleet_view, state, db)
+async def fleet_page(request: Request, console: ConsoleDep, db: SessionDep, session: LoginDep) -> Response:
+    """Replicas and what each holds; in single-process mode this process alone."""
+    fleet = await run_in_threadpool(fleet_view, db, replica=console.services.replica)
     return console.page(request, "fleet.html", session=session, fleet=fleet, now=int(time.time()))
 
 
@@ -141,14 +134,13 @@ async def fleet_page(
 async def usage_page(
     request: Request,
     console: ConsoleDep,
-    state: StateDep,
     db: SessionDep,
     session: LoginDep,
     start: str | None = None,
     end: str | None = None,
     tenant_id: Annotated[str | None, Query()] = None,
 ) -> Response:
-    await _flush_usage(state)
+    await _flush_usage(console)
     period = _period(start, end)
     tenant_id = tenant_id or None
     report = await run_in_threadpool(data.usage_report, db, period=period, tenant_id=tenant_id)
@@ -158,7 +150,7 @@ async def usage_page(
 
 @router.get("/usage.csv")
 async def usage_csv(
-    state: StateDep,
+    console: ConsoleDep,
     db: SessionDep,
     _: LoginDep,
     start: str | None = None,
@@ -166,7 +158,7 @@ async def usage_csv(
     tenant_id: str | None = None,
     group_by: Literal["day", "adapter", "key", "tenant"] = "tenant",
 ) -> Response:
-    await _flush_usage(state)
+    await _flush_usage(console)
     period = _period(start, end)
     body = await run_in_threadpool(
         data.usage_csv, db, period=period, group_by=group_by, tenant_id=tenant_id or None

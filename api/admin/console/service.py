@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session
 
 from api.admin.service import delete_adapter_versions
 from api.errors import APIError
-from api.state import AppState
+from api.fleet.sync import FleetSync
+from base_engine.async_engine import AsyncEngine
 from registry.types import QUOTA_MAX, TenantQuotas
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,11 @@ def parse_quotas(form: dict[str, str]) -> TenantQuotas:
 
 
 async def delete_adapter_version(
-    state: AppState, session: Session, *, tenant_id: str, name: str, version: int
+    session: Session, *, engine: AsyncEngine, fleet_sync: FleetSync, tenant_id: str, name: str, version: int
 ) -> str:
     """Soft-delete `name@version` of the tenant, unpin it (on every replica of a fleet); returns its
     id ("name@version"). The admin REST route does the same (api/admin/service.py)."""
-    await delete_adapter_versions(state, session, tenant_id=tenant_id, name=name, version=version)
+    await delete_adapter_versions(
+        session, engine=engine, fleet_sync=fleet_sync, tenant_id=tenant_id, name=name, version=version
+    )
     return f"{name}@{version}"
