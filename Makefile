@@ -27,7 +27,7 @@ lint: setup
 test: setup system-deps lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" --timeout=900
 
-# Issue 16: the fleet on a real local Ray Serve (2 CPUs, 2 replicas; about 3 minutes). Also part of
+# The fleet on a real local Ray Serve (2 CPUs, 2 replicas; about 3 minutes). Also part of
 # `make test`; this target runs only them.
 test-ray: setup system-deps
 	RAY_DEDUP_LOGS=0 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m ray --timeout=900 tests/fleet
@@ -39,7 +39,7 @@ bench: setup
 serve: setup
 	$(BIN)/loraserve serve
 
-# Issue 13's reliability suite: real servers on 127.0.0.1, one JSON line per case, RELIABILITY.md.
+# The reliability suite: real servers on 127.0.0.1, one JSON line per case, RELIABILITY.md.
 .PHONY: reliability
 reliability: setup system-deps
 	$(BIN)/python reliability/run.py

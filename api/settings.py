@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     metrics_tenant_labels: bool = False
     metrics_token: SecretStr | None = None
 
-    # Slow dependencies (issue 13): bounded waits, so a hung object store or database ends in an error.
+    # Slow dependencies: bounded waits, so a hung object store or database ends in an error.
     store_connect_timeout_s: float = Field(3.0, gt=0)  # S3: TCP connect, per attempt
     store_read_timeout_s: float = Field(20.0, gt=0)  # S3: silence on an open connection, per attempt
     store_max_attempts: int = Field(3, ge=1)  # S3: attempts per call (botocore standard retries)
@@ -97,12 +97,12 @@ class Settings(BaseSettings):
     fair_admission: bool = True
     admission_reserve: int | None = Field(None, ge=0)
 
-    # Scale-out (issue 16): this process is one replica of a fleet. The fleet's state (quotas, console
+    # Scale-out: this process is one replica of a fleet. The fleet's state (quotas, console
     # sessions, usage export order, residency) lives in the database; migrations and secrets come from
     # the deploy, never from a replica's start.
     fleet: bool = False
     replica_id: str | None = None  # None = "<hostname>-<pid>" in a fleet
-    # Reproducible answers (issue 18): every request runs batch-invariant, as `deterministic: true` asks.
+    # Reproducible answers: every request runs batch-invariant, as `deterministic: true` asks.
     deterministic: bool = False
 
     @model_validator(mode="after")

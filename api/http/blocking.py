@@ -1,9 +1,9 @@
 """Blocking work that may hang on a dependency runs in bounded thread pools of its own.
 
 FastAPI runs sync routes and sync dependencies in anyio's default thread pool (40 threads), shared
-by inference (authentication, planning), `/metrics`, the admin API and the console. Issue 13: uploads
-stuck on a hung S3 held all 40, and `/health`, `/ready`, `/metrics` and base-model chat each waited
-56.7 s. Now:
+by inference (authentication, planning), `/metrics`, the admin API and the console. Measured before
+these pools: uploads stuck on a hung S3 held all 40, and `/health`, `/ready`, `/metrics` and
+base-model chat each waited 56.7 s. Now:
 
 - `UploadGate`: at most `max_concurrent_uploads` uploads are received, validated, stored and recorded
   at once; one more is refused at once with 429 + Retry-After. An admitted upload's blocking part
