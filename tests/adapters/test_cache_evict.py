@@ -13,7 +13,7 @@ import torch
 
 from adapters.cache import AdapterCache
 from adapters.types import AdapterRef
-from tests.adapters.helpers import save_peft_adapter, tiny_shapes
+from tests.harness.peft_adapters import save_peft_adapter, tiny_shapes
 
 
 def loaded(cache: AdapterCache, ref: AdapterRef, timeout_s: float = 30.0) -> None:

@@ -28,17 +28,16 @@ from api.tenant_adapters.imports import download_adapter_files, import_error
 from api.tenant_adapters.uploads import UploadLimits
 from registry.errors import ObjectNotFound, StoreUnavailable
 from registry.store import open_store
-from tests.api.conftest import (
+from tests.harness.s3 import s3_backend, s3_client
+from tests.harness.servers import (
     ADMIN_KEY,
     MAX_UPLOAD_BYTES,
     Server,
     ServerProcess,
-    _s3_client,
-    _s3_env,
     free_port,
     main_server_args,
 )
-from tests.api.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
+from tests.harness.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +56,8 @@ def imp(
     s3_server: str, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ImportServer]:
     tmp = tmp_path_factory.mktemp("import-server")
-    registry = _s3_env(s3_server, tmp)
-    source = _s3_env(s3_server, tmp)
+    registry = s3_backend(s3_server, tmp)
+    source = s3_backend(s3_server, tmp)
     local = tmp / "local"
     local.mkdir()
     prefixes = [f"s3://{source['bucket']}/ok", f"s3://{registry['bucket']}", local.as_uri()]
@@ -81,7 +80,7 @@ def _put(server: ImportServer, prefix: str, files: dict[str, bytes], *, bucket: 
     s3 = server.source
     bucket = bucket or s3["bucket"]
     for name, content in files.items():
-        _s3_client(s3).put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=content)
+        s3_client(s3).put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=content)
     return f"s3://{bucket}/{prefix}"
 
 

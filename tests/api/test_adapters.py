@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
-from tests.adapters.helpers import edit_tensors
-from tests.api.conftest import MAX_LORA_RANK, MAX_UPLOAD_BYTES, Server
-from tests.api.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
+from tests.harness.peft_adapters import edit_tensors
+from tests.harness.servers import MAX_LORA_RANK, MAX_UPLOAD_BYTES, Server
+from tests.harness.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.api.conftest import Server
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import Server
+from tests.harness.uploads import files_of, peft_adapter, upload
 
 
 def _models(server: Server, key: str) -> httpx.Response:

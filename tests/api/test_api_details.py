@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.inference.formatting import token_bytes
 from base_engine.model.tokenizer import load_tokenizer
-from tests.api.conftest import Server
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import Server
+from tests.harness.uploads import files_of, peft_adapter, upload
 
 BASE = "tiny-llama"
 SERIES_FILE = Path(__file__).with_name("vllm_grafana_series.txt")

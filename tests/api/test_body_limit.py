@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess
+from tests.harness.uploads import files_of, peft_adapter, upload
 
 LIMIT = 4096
 TIMEOUT_S = 2.0

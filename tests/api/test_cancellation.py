@@ -20,7 +20,7 @@ from api.state import AppState
 from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestOutput
 from registry.usage import export_usage
-from tests.api.conftest import new_caller
+from tests.harness.callers import new_caller
 
 MAX_TOKENS = 120
 

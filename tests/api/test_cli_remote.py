@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from api.cli.main import app
-from tests.api.conftest import Server
-from tests.api.uploads import peft_adapter
+from tests.harness.servers import Server
+from tests.harness.uploads import peft_adapter
 
 SQLITE = pytest.mark.parametrize("server", ["sqlite-local"], indirect=True)
 

@@ -28,8 +28,8 @@ from sqlalchemy.orm import Session
 from api.metering.meter import UsageMeter
 from registry.db import make_engine, session_factory
 from registry.usage import UsageRecord, export_usage
-from tests.api.conftest import ADMIN_KEY, ServerProcess, main_server_args
 from tests.api.test_metering import ROOT, begin, record, sqlite_session, stored  # noqa: F401 - fixture
+from tests.harness.servers import ADMIN_KEY, ServerProcess, main_server_args
 
 BASE = "tiny-llama"
 LONG_LEN = 2048  # the tiny Llama's context: long enough that a stream is still running when it is cut

@@ -18,10 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, _s3_client, main_server_args
 from tests.api.dos_helpers import Poller, auth, timed
-from tests.api.hanging_proxy import HangingProxy
-from tests.api.uploads import CONFIG, files_of, peft_adapter, upload
+from tests.harness.hanging_proxy import HangingProxy
+from tests.harness.s3 import s3_client
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.uploads import CONFIG, files_of, peft_adapter, upload
 
 EVIL = "(.|.){0,24}Z"  # 2^24 backtracking steps per module name for Python's re (issue 13: 71 s)
 
@@ -70,7 +71,7 @@ def hung_store_server(
         "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
     }
     bucket = f"hang-{uuid.uuid4().hex[:20]}"
-    _s3_client({**env, "AWS_ENDPOINT_URL": s3_server}).create_bucket(Bucket=bucket)
+    s3_client({**env, "AWS_ENDPOINT_URL": s3_server}).create_bucket(Bucket=bucket)
     with HangingProxy(s3_server) as proxy:
         env |= {
             "AWS_ENDPOINT_URL": proxy.url,

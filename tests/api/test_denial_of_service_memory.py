@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 
 from adapters.limits import max_adapter_weights_bytes
 from adapters.types import LORA_MODULES
-from tests.adapters.helpers import tiny_shapes
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess
 from tests.api.dos_helpers import auth
-from tests.api.uploads import CONFIG, WEIGHTS
+from tests.harness.peft_adapters import tiny_shapes
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess
+from tests.harness.uploads import CONFIG, WEIGHTS
 
 BIG = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4}
 BIG |= {"intermediate_size": 1408, "vocab_size": 512}

@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 
 from api.http.header_timeout import H11HeaderDeadline, protocol_class
-from tests.api.conftest import free_port
+from tests.harness.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1.0

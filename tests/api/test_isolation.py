@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import Server
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import Server
+from tests.harness.uploads import files_of, peft_adapter, upload
 
 SECRET, UNKNOWN = "secret-bot", "nobody-has"
 

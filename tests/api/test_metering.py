@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from api.metering.meter import UsageMeter
 from registry.db import make_engine, session_factory, upgrade
 from registry.usage import UsageRecord, export_usage
+from tests.harness.wait import wait_for
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,13 +80,6 @@ def begin(meter: UsageMeter, r: UsageRecord) -> None:
     )
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def test_flush_writes_each_request_once(make_session: Callable[[], Session], tmp_path: Path) -> None:
     meter = UsageMeter(make_session, journal_path=tmp_path / "usage.journal", flush_interval_s=3600)
     meter.start()
@@ -125,7 +119,7 @@ def test_full_batch_is_written_in_the_background_and_stop_flushes_the_rest(
     for i in range(4):
         meter.finish(record(i))
     # The interval is an hour: only a full batch can have woken the flusher.
-    wait_for(lambda: len(stored(make_session)) == 4)
+    wait_for(lambda: len(stored(make_session)) == 4, 10.0, interval=0.02)
     for i in range(4, 6):
         meter.finish(record(i))
     time.sleep(0.2)
@@ -151,7 +145,7 @@ def test_interval_flush_and_concurrent_finishers(
         t.start()
     for t in threads:
         t.join()
-    wait_for(lambda: len(stored(sqlite_session)) == 200)
+    wait_for(lambda: len(stored(sqlite_session)) == 200, 10.0, interval=0.02)
     meter.stop()
     assert len(stored(sqlite_session)) == 200
 

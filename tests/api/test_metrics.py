@@ -14,6 +14,7 @@ from api.metrics.prometheus import Metrics
 from api.metrics.series import one_two_five_buckets
 from api.metrics.window import RecentStats
 from base_engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from tests.harness.clock import FakeClock
 
 # From ../shared/reference/platform.md section 2.1 (vLLM V1 loggers.py), not from our code.
 VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10,
@@ -33,14 +34,6 @@ ISSUE_NAMES = [
     "loraserve_adapter_cache_evictions", "loraserve_tenant_requests", "loraserve_tenant_prompt_tokens",
     "loraserve_tenant_generation_tokens",
 ]  # fmt: skip
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def output(

@@ -13,7 +13,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.api.conftest import MAX_MODEL_LEN, Server
+from tests.harness.servers import MAX_MODEL_LEN, Server
 
 BASE = "tiny-llama"
 PROMPT = "The quick brown fox"

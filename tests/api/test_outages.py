@@ -11,9 +11,7 @@ or tenant id.
 from __future__ import annotations
 
 import re
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,12 @@ from registry.disk_cache import DiskTier
 from registry.errors import StoreUnavailable
 from registry.store import LocalStore, put_content
 from registry.types import make_source
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, _postgres_database, _s3_env, main_server_args
-from tests.api.faults import TcpProxy
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.postgres import new_database
+from tests.harness.s3 import s3_backend
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.tcp_proxy import TcpProxy
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.wait import wait_for
 
 BASE = "tiny-llama"
 
@@ -38,13 +39,6 @@ def _admin() -> dict[str, str]:
 
 def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
-        time.sleep(0.2)
 
 
 def assert_unavailable(r: httpx.Response, codes: set[str], secrets: list[str]) -> None:
@@ -59,7 +53,7 @@ def assert_unavailable(r: httpx.Response, codes: set[str], secrets: list[str]) -
 def test_postgres_outage_is_503_with_retry_after_then_recovers(
     tiny_llama_dir: Path, tmp_path: Path, postgres_url: str
 ) -> None:
-    direct = _postgres_database(postgres_url)
+    direct = new_database(postgres_url)
     port = int(re.search(r"@127\.0\.0\.1:(\d+)/", direct).group(1))  # type: ignore[union-attr]
     with TcpProxy("127.0.0.1", port) as proxy:
         proxied = direct.replace(f"127.0.0.1:{port}/", f"{proxy.address}/")
@@ -100,7 +94,12 @@ def test_postgres_outage_is_503_with_retry_after_then_recovers(
             assert httpx.get(f"{base}/metrics", timeout=30).status_code == 200
 
             proxy.restore()
-            wait_for(lambda: httpx.get(f"{base}/ready", timeout=30).status_code == 200, 60, "ready again")
+            wait_for(
+                lambda: httpx.get(f"{base}/ready", timeout=30).status_code == 200,
+                60,
+                interval=0.2,
+                what="ready again",
+            )
             for method, path, kwargs in requests:
                 assert httpx.request(method, base + path, timeout=60, **kwargs).status_code == 200, path
         finally:
@@ -111,7 +110,7 @@ def test_postgres_outage_is_503_with_retry_after_then_recovers(
 def test_s3_outage_is_a_retryable_503_for_adapters_not_yet_loaded(
     tiny_llama_dir: Path, tmp_path: Path, s3_server: str
 ) -> None:
-    s3 = _s3_env(s3_server, tmp_path)
+    s3 = s3_backend(s3_server, tmp_path)
     host, port = s3_server.removeprefix("http://").split(":")
     with TcpProxy(host, int(port)) as proxy:
         env = {k: v for k, v in s3.items() if k.startswith("AWS_")} | {
@@ -151,7 +150,7 @@ def test_s3_outage_is_a_retryable_503_for_adapters_not_yet_loaded(
                 assert r.status_code in (200, 503), r.text
                 return r.status_code == 200
 
-            wait_for(served, 60, "the adapter served once S3 is back")
+            wait_for(served, 60, what="the adapter served once S3 is back")
         finally:
             proxy.restore()
             assert process.stop() == 0, process.log()[-3000:]

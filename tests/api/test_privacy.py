@@ -27,9 +27,9 @@ from api.metrics.prometheus import Metrics
 from api.state import AppState
 from base_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from tests.api import console_helpers as ch
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, main_server_args
 from tests.api.test_metering import sqlite_session  # noqa: F401 - fixture
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.uploads import files_of, peft_adapter, upload
 
 TENANT_SERIES = "loraserve_tenant_"
 

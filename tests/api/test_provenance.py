@@ -18,9 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, main_server_args
-from tests.api.test_usage_e2e import export, wait_for
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.api.test_usage_e2e import export
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.wait import wait_for
 
 BASE = "tiny-llama"
 HEADER = "x-loraserve-provenance"
@@ -152,7 +153,7 @@ def test_adapter_provenance_matches_registry_and_usage_record(
         records.update({rec["request_id"]: rec for rec in export(server.base_url, tenant_id)})
         return r.headers["x-request-id"] in records and len(records) >= 2
 
-    wait_for(billed, what="both usage records exported")
+    wait_for(billed, 30.0, interval=0.1, what="both usage records exported")
     stored = records[r.headers["x-request-id"]]["provenance"]
     assert {k: v for k, v in stored.items() if v is not None} == {
         **with_adapter,

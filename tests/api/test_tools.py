@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.conftest import ADMIN_KEY, ServerProcess
+from tests.harness.servers import ADMIN_KEY, ServerProcess
 
 MODEL = "tiny"
 WEATHER = {

@@ -12,9 +12,7 @@ import json
 import random
 import signal
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from registry.db import make_engine, session_factory
 from registry.usage import UsageRecord, export_usage
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, main_server_args
 from tests.api.test_metrics import ISSUE_NAMES
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.wait import wait_for
 
 BASE = "tiny-llama"
 LONG = {"max_tokens": 200, "ignore_eos": True}
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
-        time.sleep(0.1)
 
 
 def export(base_url: str, tenant_id: str) -> list[dict[str, Any]]:
@@ -111,7 +103,10 @@ def test_usage_api_equals_what_clients_received(server: Server, tmp_path: Path) 
     ).json()["usage"]  # fmt: skip
 
     wait_for(
-        lambda: set(aborted) <= {r["request_id"] for r in export(server.base_url, tenant_a)}, what="abort"
+        lambda: set(aborted) <= {r["request_id"] for r in export(server.base_url, tenant_a)},
+        30.0,
+        interval=0.1,
+        what="abort",
     )
     records = export(server.base_url, tenant_a)
     ids = [r["request_id"] for r in records]
@@ -173,7 +168,7 @@ def test_metrics_parse_and_move(server: Server) -> None:
         assert metric_values(server.base_url)[running] >= 1  # running while the stream is open
         for _ in lines:
             pass
-    wait_for(lambda: metric_values(server.base_url)[running] == 0, what="running back to 0")
+    wait_for(lambda: metric_values(server.base_url)[running] == 0, 30.0, what="running back to 0")
     after = metric_values(server.base_url)
     assert after[generated] - before[generated] >= 200
     assert after[("loraserve_tenant_requests_total", frozenset({("tenant", name)}))] == 1
@@ -263,7 +258,7 @@ def test_crash_during_load_keeps_every_completed_record_once(tiny_llama_dir: Pat
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    wait_for(lambda: len(completed) >= 12, 120, "12 completed requests")
+    wait_for(lambda: len(completed) >= 12, 120, what="12 completed requests")
     process.stop(signal.SIGKILL)  # mid-load: requests in flight, nothing flushed to the database
     stop.set()
     for t in threads:

@@ -23,15 +23,10 @@ import openai
 import pytest
 
 from api.admin.console.sessions import COOKIE_NAME
-from tests.api.conftest import (
-    ADMIN_KEY,
-    LORASERVE,
-    ServerProcess,
-    _postgres_database,
-    _s3_env,
-    main_server_args,
-)
 from tests.api.console_helpers import csrf_of
+from tests.harness.postgres import new_database
+from tests.harness.s3 import s3_backend
+from tests.harness.servers import ADMIN_KEY, LORASERVE, ServerProcess, main_server_args
 
 MODEL = "tiny-llama"
 
@@ -41,8 +36,8 @@ def replicas(
     tiny_llama_dir: Path, postgres_url: str, s3_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     tmp = tmp_path_factory.mktemp("fleet")
-    db = _postgres_database(postgres_url)
-    s3 = _s3_env(s3_server, tmp)
+    db = new_database(postgres_url)
+    s3 = s3_backend(s3_server, tmp)
     aws = {k: v for k, v in s3.items() if k.startswith("AWS_")}
     subprocess.run([LORASERVE, "db", "upgrade", "--db", db], check=True, capture_output=True, timeout=180)
     args = [

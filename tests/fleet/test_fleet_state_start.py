@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from registry.db import current_revision, head_revision, make_engine
-from tests.api.conftest import ADMIN_KEY, LORASERVE, _postgres_database, _s3_env
 from tests.fleet.upgrade_race import upgrade_racing
+from tests.harness.postgres import new_database
+from tests.harness.s3 import s3_backend
+from tests.harness.servers import ADMIN_KEY, LORASERVE
 
 WHY = "a fleet shares its state through PostgreSQL + S3; SQLite/local store is the single-process default"
 
@@ -34,9 +36,9 @@ def _finish(run: subprocess.Popen[str]) -> tuple[int, str]:
 @pytest.fixture
 def fleet_parts(postgres_url: str, s3_server: str, tmp_path: Path) -> tuple[str, str, dict[str, str]]:
     """(fresh unmigrated database URL, s3:// registry, AWS_* env)."""
-    s3 = _s3_env(s3_server, tmp_path)
+    s3 = s3_backend(s3_server, tmp_path)
     env = {k: v for k, v in s3.items() if k.startswith("AWS_")}
-    return _postgres_database(postgres_url), f"s3://{s3['bucket']}/registry", env
+    return new_database(postgres_url), f"s3://{s3['bucket']}/registry", env
 
 
 def test_fleet_start_refuses_sqlite_file_store_missing_key_and_unmigrated_db(
@@ -68,7 +70,7 @@ def test_fleet_start_refuses_sqlite_file_store_missing_key_and_unmigrated_db(
 
 def test_two_concurrent_db_upgrades_both_succeed_once(postgres_url: str) -> None:
     """The second upgrade starts while the first is mid-migration: it waits, then finds head."""
-    db = _postgres_database(postgres_url)
+    db = new_database(postgres_url)
     ctx = multiprocessing.get_context("spawn")
     midway, results = ctx.Event(), ctx.Queue()
     runs = [ctx.Process(target=upgrade_racing, args=(db, slow, midway, results)) for slow in (True, False)]

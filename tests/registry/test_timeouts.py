@@ -14,7 +14,7 @@ from sqlalchemy.exc import OperationalError
 from registry.db import make_engine
 from registry.errors import StoreUnavailable
 from registry.s3 import S3Store
-from tests.api.hanging_proxy import HangingProxy
+from tests.harness.hanging_proxy import HangingProxy
 
 
 def test_s3_calls_end_within_their_timeouts_when_the_endpoint_hangs(
