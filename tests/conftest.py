@@ -20,6 +20,7 @@ pytest_plugins = [
     "tests.harness.postgres",
     "tests.harness.s3",
     "tests.harness.shared_server",
+    "tests.harness.usage",
 ]
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from base_engine import LLM, SamplingParams
 from tests.adapters.engine_helpers import ALL_SEVEN, make_adapter, peft_model
-from tests.engine.conftest import random_prompts
 from tests.engine.oracle import assert_greedy_match, hf_greedy
+from tests.harness.engine_inputs import random_prompts
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)

@@ -28,8 +28,8 @@ from sqlalchemy.orm import Session
 from api.metering.meter import UsageMeter
 from registry.db import make_engine, session_factory
 from registry.usage import UsageRecord, export_usage
-from tests.api.test_metering import ROOT, begin, record, sqlite_session, stored  # noqa: F401 - fixture
 from tests.harness.servers import ADMIN_KEY, ServerProcess, main_server_args
+from tests.harness.usage import REPO_ROOT, begin, record, stored
 
 BASE = "tiny-llama"
 LONG_LEN = 2048  # the tiny Llama's context: long enough that a stream is still running when it is cut
@@ -37,7 +37,7 @@ BOUND_S = 1.0  # the documented crash bound (api/metering/meter.py)
 
 
 def test_fsync_never_holds_the_lock_of_the_request_path(
-    sqlite_session: Callable[[], Session],  # noqa: F811 - the fixture
+    sqlite_session: Callable[[], Session],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -82,7 +82,7 @@ _CRASHING_CHILD = textwrap.dedent(
     from pathlib import Path
     from api.metering.meter import UsageMeter
     from registry.db import make_engine, session_factory
-    from tests.api.test_metering import begin, record
+    from tests.harness.usage import begin, record
 
     meter = UsageMeter(session_factory(make_engine(sys.argv[1])), journal_path=Path(sys.argv[2]),
                        flush_interval_s=3600, progress_interval_s=0.05)
@@ -103,18 +103,18 @@ _CRASHING_CHILD = textwrap.dedent(
 
 
 def test_recovery_bills_the_journaled_progress(
-    sqlite_session: Callable[[], Session],  # noqa: F811 - the fixture
+    sqlite_session: Callable[[], Session],
     tmp_path: Path,
 ) -> None:
     journal = tmp_path / "usage.journal"
     db_url = f"sqlite:///{tmp_path / 'usage.db'}"
     child = subprocess.run(
         [sys.executable, "-c", _CRASHING_CHILD, db_url, str(journal)],
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert UsageMeter(sqlite_session, journal_path=journal).recover() == 3
@@ -130,7 +130,7 @@ def test_recovery_bills_the_journaled_progress(
 
 
 def test_a_crash_during_compaction_leaves_both_journals_and_loses_nothing(
-    sqlite_session: Callable[[], Session],  # noqa: F811 - the fixture
+    sqlite_session: Callable[[], Session],
     tmp_path: Path,
 ) -> None:
     from api.metering.journal import InFlightRequest, Progress, begin_line, finish_line, progress_line

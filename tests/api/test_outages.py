@@ -1,6 +1,7 @@
-"""Issue 13: a dependency that is down is a retryable 503, never a 500, and says nothing about itself.
+"""A dependency that is down is a retryable 503, never a 500, and says nothing about itself.
 
-Real servers whose PostgreSQL or S3 traffic goes through a TCP proxy the test cuts (tests/api/faults.py):
+Real servers whose PostgreSQL or S3 traffic goes through a TCP proxy the test cuts
+(tests/harness/tcp_proxy.py):
 during a PostgreSQL outage every request that needs the database is 503 + Retry-After and /ready is
 503 while /health and /metrics still answer; during an S3 outage a request for an adapter not yet
 loaded is 503 `adapter_unavailable` + Retry-After (streams too: before the 200), uploads are 503;

@@ -27,7 +27,6 @@ from api.metrics.prometheus import Metrics
 from api.state import AppState
 from base_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from tests.api import console_helpers as ch
-from tests.api.test_metering import sqlite_session  # noqa: F401 - fixture
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
 from tests.harness.uploads import files_of, peft_adapter, upload
 
@@ -116,7 +115,7 @@ def test_metrics_route_shows_tenants_only_with_a_key_or_opt_in(
 
 
 def test_journal_is_created_private(
-    sqlite_session: Any,  # noqa: F811 - the fixture
+    sqlite_session: Any,
     tmp_path: Path,
 ) -> None:
     old = os.umask(0o022)

@@ -18,9 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.test_usage_e2e import export
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.structured_fields import parse_dictionary
 from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.usage import export
 from tests.harness.wait import wait_for
 
 BASE = "tiny-llama"
@@ -32,39 +33,6 @@ BUILD_KEYS = {
 }  # fmt: skip
 SQLITE_ONLY = pytest.mark.parametrize("server", ["sqlite-local"], indirect=True)
 ADAPTER_KEYS = {"adapter", "adapter_version", "adapter_sha256", "adapter_config_sha256"}
-
-
-def parse_dictionary(value: str) -> dict[str, Any]:
-    """An RFC 8941 Dictionary of bare items (strings, integers, booleans), as section 4.2 reads it."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(value):
-        match = re.compile(r"[a-z*][a-z0-9_\-.*]*").match(value, i)
-        assert match, f"no key at {i}: {value[i:]!r}"
-        key, i = match.group(), match.end()
-        assert value[i] == "=", f"{key} has no value"
-        i += 1
-        if value[i] == '"':
-            chars, i = [], i + 1
-            while value[i] != '"':
-                if value[i] == "\\":
-                    i += 1
-                assert 0x20 <= ord(value[i]) < 0x7F, f"not printable ASCII in {key}"
-                chars.append(value[i])
-                i += 1
-            item: Any = "".join(chars)
-            i += 1
-        elif value[i] == "?":
-            item, i = value[i + 1] == "1", i + 2
-        else:
-            number = re.compile(r"-?\d{1,15}").match(value, i)
-            assert number, f"{key}: not an integer at {value[i:]!r}"
-            item, i = int(number.group()), number.end()
-        out[key] = item
-        if i < len(value):
-            assert value[i : i + 2] == ", ", f"members must be separated by ', ' at {value[i:]!r}"
-            i += 2
-    return out
 
 
 def checkpoint_sha256(model_dir: Path) -> str:

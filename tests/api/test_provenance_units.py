@@ -23,7 +23,7 @@ from api.inference.sampling import SeedSource, request_seed, sampling_params
 from api.metering.journal import InFlightRequest, begin_line, finish_line, parse_line
 from api.settings import Settings
 from registry.provenance import Provenance
-from tests.api.test_provenance import parse_dictionary
+from tests.harness.structured_fields import parse_dictionary
 
 
 def _listing_sha256(files: list[Path]) -> str:

@@ -8,7 +8,6 @@ and the database read with the registry's own functions after the server is gone
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import threading
@@ -23,26 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from registry.db import make_engine, session_factory
 from registry.usage import UsageRecord, export_usage
-from tests.api.test_metrics import ISSUE_NAMES
+from tests.harness.metric_names import REQUIRED_METRIC_NAMES
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
 from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.usage import export
 from tests.harness.wait import wait_for
 
 BASE = "tiny-llama"
 LONG = {"max_tokens": 200, "ignore_eos": True}
-
-
-def export(base_url: str, tenant_id: str) -> list[dict[str, Any]]:
-    """Every record of a tenant through the admin export, following the cursor."""
-    events, cursor = [], None
-    while True:
-        params = {"tenant_id": tenant_id, "limit": 7, **({"cursor": cursor} if cursor else {})}
-        r = httpx.get(f"{base_url}/admin/api/usage/export", params=params, headers=_admin(), timeout=60)
-        assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson", r.text
-        events += [json.loads(line) for line in r.text.splitlines()]
-        cursor = r.headers.get("x-next-cursor")
-        if r.headers["x-has-more"] == "false":
-            return [e["data"] for e in events]
 
 
 def _admin() -> dict[str, str]:
@@ -150,7 +137,7 @@ def metric_values(base_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]],
     r = httpx.get(f"{base_url}/metrics", headers=_admin(), timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = list(text_string_to_metric_families(r.text))
-    assert {f.name for f in families} >= set(ISSUE_NAMES)
+    assert {f.name for f in families} >= set(REQUIRED_METRIC_NAMES)
     return {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
 
 

@@ -24,7 +24,7 @@ from base_engine.invariant import GemmProbe, invariant_linear
 from base_engine.model.config import load_model_config
 from base_engine.outputs import RequestOutput
 from base_engine.testing.checkpoint import save_random_checkpoint
-from tests.engine.conftest import preload_adapters
+from tests.harness.engine_inputs import preload_adapters
 
 VOCAB = 512
 NUM_ADAPTERS = 8

@@ -13,7 +13,7 @@ import torch
 from base_engine import LLM, SamplingParams
 from base_engine.constraints import GrammarCompiler, allowed_tokens
 from base_engine.sampler import Sampler, SamplingRow
-from tests.engine.conftest import random_prompts
+from tests.harness.engine_inputs import random_prompts
 
 SCHEMA = {
     "type": "object",

@@ -23,7 +23,7 @@ from registry.adapters import register_adapter_version
 from registry.db import make_engine, session_factory, upgrade
 from registry.store import open_store
 from registry.tenants import create_tenant
-from tests.registry.conftest import BASE_MODEL, SHAPES, write_adapter
+from tests.harness.raw_adapters import BASE_MODEL, SHAPES, write_adapter
 
 
 @pytest.fixture
