@@ -102,6 +102,7 @@ def _unique() -> str:
     return uuid.uuid4().hex[:8]
 
 
+@pytest.mark.slow
 def test_import_registers_and_serves(imp: ImportServer, good: dict[str, bytes]) -> None:
     _, key = imp.tenant("imp")
     r = _import(imp, key, "bot", _put(imp, f"ok/{_unique()}", good))
@@ -122,6 +123,7 @@ def test_import_registers_and_serves(imp: ImportServer, good: dict[str, bytes]) 
     assert [m.id for m in client.models.list().data] == ["tiny-llama", "bot"]
 
 
+@pytest.mark.slow
 def test_identical_import_twice_is_the_same_version(imp: ImportServer, good: dict[str, bytes]) -> None:
     _, key = imp.tenant("twice")
     uri = _put(imp, f"ok/{_unique()}", good)
@@ -133,6 +135,7 @@ def test_identical_import_twice_is_the_same_version(imp: ImportServer, good: dic
     assert (multipart.status_code, multipart.json()["version"]) == (200, 1), multipart.text
 
 
+@pytest.mark.slow
 def test_not_allowlisted_is_403_and_names_the_setting(imp: ImportServer, good: dict[str, bytes]) -> None:
     _, key = imp.tenant("deny")
     source = imp.source["bucket"]
@@ -142,6 +145,7 @@ def test_not_allowlisted_is_403_and_names_the_setting(imp: ImportServer, good: d
         assert source not in error["message"]
 
 
+@pytest.mark.slow
 def test_registry_is_never_importable(imp: ImportServer, good: dict[str, bytes]) -> None:
     """The registry's bucket is allowlisted, yet nothing under its registry prefix is read."""
     _, key = imp.tenant("reg")
@@ -154,6 +158,7 @@ def test_registry_is_never_importable(imp: ImportServer, good: dict[str, bytes])
     assert _import(imp, key, "x", _put(imp, "shelf/a", good, bucket=bucket)).status_code == 201
 
 
+@pytest.mark.slow
 def test_oversized_objects_are_413_before_download(imp: ImportServer, good: dict[str, bytes]) -> None:
     _, key = imp.tenant("big")
     big_weights = {**good, WEIGHTS: b"\0" * (MAX_UPLOAD_BYTES + 1)}
@@ -165,6 +170,7 @@ def test_oversized_objects_are_413_before_download(imp: ImportServer, good: dict
     assert r.status_code == 404
 
 
+@pytest.mark.slow
 def test_broken_or_missing_objects_are_400_with_the_cause(
     imp: ImportServer, good: dict[str, bytes], tmp_path: Path
 ) -> None:
@@ -183,6 +189,7 @@ def test_broken_or_missing_objects_are_400_with_the_cause(
     assert not any(k.endswith(hashlib.sha256(other[WEIGHTS]).hexdigest()) for k in stored)
 
 
+@pytest.mark.slow
 def test_admin_imports_for_a_tenant(imp: ImportServer, good: dict[str, bytes]) -> None:
     tenant_id, key = imp.tenant("adm")
     uri = _put(imp, f"ok/{_unique()}", good)
@@ -206,6 +213,7 @@ def test_admin_imports_for_a_tenant(imp: ImportServer, good: dict[str, bytes]) -
     assert denied.status_code == 403
 
 
+@pytest.mark.slow
 def test_file_source_where_allowed_and_links_out_refused(imp: ImportServer, good: dict[str, bytes]) -> None:
     _, key = imp.tenant("local")
     directory = imp.local / _unique()
@@ -277,6 +285,7 @@ def test_oversized_weights_are_refused_before_any_download(tmp_path: Path) -> No
     assert refused.value.status == 413 and not list(dest.iterdir())
 
 
+@pytest.mark.slow
 def test_openapi_lists_the_import_statuses(imp: ImportServer) -> None:
     paths = httpx.get(f"{imp.base_url}/openapi.json").json()["paths"]
     for path in ("/v1/adapters/import", "/admin/api/tenants/{tenant_id}/adapters/import"):
@@ -284,6 +293,7 @@ def test_openapi_lists_the_import_statuses(imp: ImportServer) -> None:
         assert {"201", "400", "403", "413", "503"} <= statuses, (path, statuses)
 
 
+@pytest.mark.slow
 def test_quotas_and_the_base_name_apply_as_for_uploads(imp: ImportServer, good: dict[str, bytes]) -> None:
     tenant_id, key = imp.tenant("quota")
     uri = _put(imp, f"ok/{_unique()}", good)

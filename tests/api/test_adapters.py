@@ -21,6 +21,8 @@ from tests.harness.peft_adapters import edit_tensors
 from tests.harness.servers import MAX_LORA_RANK, MAX_UPLOAD_BYTES, Server
 from tests.harness.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
 
+pytestmark = pytest.mark.slow  # real servers
+
 
 @pytest.fixture(scope="module")
 def good_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

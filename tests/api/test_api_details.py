@@ -39,6 +39,7 @@ def _post(server: Server, key: str, path: str, body: dict) -> httpx.Response:
     )
 
 
+@pytest.mark.slow
 @SQLITE
 def test_partial_utf8_logprobs_carry_real_bytes(server: Server, tenant, tiny_llama_dir: Path) -> None:
     client = _client(server, tenant[1])
@@ -74,6 +75,7 @@ def test_partial_utf8_logprobs_carry_real_bytes(server: Server, tenant, tiny_lla
             assert token_bytes(tokenizer, ids[token], True).decode() == token
 
 
+@pytest.mark.slow
 @SQLITE
 def test_max_completion_tokens_wins_over_max_tokens(server: Server, tenant) -> None:
     client = _client(server, tenant[1])
@@ -94,6 +96,7 @@ def test_max_completion_tokens_wins_over_max_tokens(server: Server, tenant) -> N
     assert chat.usage.completion_tokens == 4
 
 
+@pytest.mark.slow
 @SQLITE
 def test_user_is_recorded_with_the_usage_record(server: Server, tenant) -> None:
     tenant_id, key = tenant
@@ -112,6 +115,7 @@ def test_user_is_recorded_with_the_usage_record(server: Server, tenant) -> None:
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "user", too_long.text
 
 
+@pytest.mark.slow
 @SQLITE
 def test_tokenize_and_detokenize_as_vllm(
     server: Server, tenant, tiny_llama_dir: Path, tmp_path: Path
@@ -169,6 +173,7 @@ def test_message_name_reaches_the_chat_template(tiny_llama_dir: Path) -> None:
     )
 
 
+@pytest.mark.slow
 @SQLITE
 def test_adapter_named_after_the_base_model_is_refused(server: Server, tenant, tmp_path: Path) -> None:
     _, key = tenant
@@ -179,6 +184,7 @@ def test_adapter_named_after_the_base_model_is_refused(server: Server, tenant, t
     assert ids.count(BASE) == 1
 
 
+@pytest.mark.slow
 @SQLITE
 def test_identical_reupload_returns_the_existing_version(server: Server, tenant, tmp_path: Path) -> None:
     _, key = tenant
@@ -195,6 +201,7 @@ def test_identical_reupload_returns_the_existing_version(server: Server, tenant,
     assert back.status_code == 201 and back.json()["version"] == 3
 
 
+@pytest.mark.slow
 @SQLITE
 def test_every_series_of_vllms_grafana_dashboard_exists(server: Server, tenant) -> None:
     client = _client(server, tenant[1])

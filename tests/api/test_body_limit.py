@@ -20,6 +20,8 @@ import pytest
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess
 from tests.harness.uploads import files_of, peft_adapter, upload
 
+pytestmark = pytest.mark.slow  # real servers
+
 LIMIT = 4096
 TIMEOUT_S = 2.0
 HEADER_TIMEOUT_S = 1.5

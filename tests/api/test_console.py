@@ -35,6 +35,7 @@ BASE = "tiny-llama"
 
 # One backend is enough for the browser: the pages read the registry through the same functions.
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.parametrize("server", ["sqlite-local"], indirect=True),
     pytest.mark.skipif(
         not Path(CHROMIUM).exists(), reason="needs Debian's chromium (scripts/system_deps.sh)"

@@ -102,6 +102,7 @@ _CRASHING_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_recovery_bills_the_journaled_progress(
     sqlite_session: Callable[[], Session],
     tmp_path: Path,
@@ -190,6 +191,7 @@ def _events(r: httpx.Response) -> Any:
             yield data if data == "[DONE]" else json.loads(data)
 
 
+@pytest.mark.slow
 def test_kill_9_mid_stream_bills_what_was_streamed(tiny_llama_dir: Path, tmp_path: Path) -> None:
     # Journal only (nothing reaches the database before the crash): the restart replays it.
     process = _server(tmp_path, tiny_llama_dir, LORASERVE_USAGE_FLUSH_INTERVAL_S="3600").start()

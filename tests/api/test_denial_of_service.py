@@ -24,6 +24,8 @@ from tests.harness.s3 import s3_client
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
 from tests.harness.uploads import CONFIG, files_of, peft_adapter, upload
 
+pytestmark = pytest.mark.slow  # real servers
+
 EVIL = "(.|.){0,24}Z"  # 2^24 backtracking steps per module name for Python's re (issue 13: 71 s)
 
 

@@ -24,6 +24,8 @@ from tests.harness.peft_adapters import tiny_shapes
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess
 from tests.harness.uploads import CONFIG, WEIGHTS
 
+pytestmark = pytest.mark.slow  # real servers
+
 BIG = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4}
 BIG |= {"intermediate_size": 1408, "vocab_size": 512}
 BIG_MAX_RANK = 160  # largest legal adapter: 8 layers x 7 projections x rank 160 x fp32 = 47.9 MB

@@ -15,6 +15,8 @@ import pytest
 from tests.harness.servers import Server
 from tests.harness.uploads import files_of, peft_adapter, upload
 
+pytestmark = pytest.mark.slow  # real servers
+
 SECRET, UNKNOWN = "secret-bot", "nobody-has"
 
 

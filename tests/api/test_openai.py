@@ -15,6 +15,8 @@ from transformers import AutoTokenizer
 
 from tests.harness.servers import MAX_MODEL_LEN, Server
 
+pytestmark = pytest.mark.slow  # real servers
+
 BASE = "tiny-llama"
 PROMPT = "The quick brown fox"
 

@@ -51,6 +51,7 @@ def assert_unavailable(r: httpx.Response, codes: set[str], secrets: list[str]) -
     assert not leaked, (leaked, r.text)
 
 
+@pytest.mark.slow
 def test_postgres_outage_is_503_with_retry_after_then_recovers(
     tiny_llama_dir: Path, tmp_path: Path, postgres_url: str
 ) -> None:
@@ -108,6 +109,7 @@ def test_postgres_outage_is_503_with_retry_after_then_recovers(
             assert process.stop() == 0, process.log()[-3000:]
 
 
+@pytest.mark.slow
 def test_s3_outage_is_a_retryable_503_for_adapters_not_yet_loaded(
     tiny_llama_dir: Path, tmp_path: Path, s3_server: str
 ) -> None:

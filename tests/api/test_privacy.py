@@ -132,6 +132,7 @@ def _modes(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
 
 
+@pytest.mark.slow
 def test_real_server_keeps_its_files_private_and_its_metrics_anonymous(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:

@@ -24,6 +24,8 @@ from tests.harness.uploads import files_of, peft_adapter, upload
 from tests.harness.usage import export
 from tests.harness.wait import wait_for
 
+pytestmark = pytest.mark.slow  # real servers
+
 BASE = "tiny-llama"
 HEADER = "x-loraserve-provenance"
 REPO = Path(__file__).resolve().parents[2]

@@ -26,6 +26,8 @@ import pytest
 from tests.harness.servers import LORASERVE, ServerProcess
 from tests.harness.wait import wait_for
 
+pytestmark = pytest.mark.slow  # real servers
+
 DEMO_ARGS = [
     "--model",
     "random-demo",

@@ -14,7 +14,7 @@ import pytest
 from tests.harness.servers import Server
 from tests.harness.uploads import files_of, peft_adapter, upload
 
-pytestmark = pytest.mark.parametrize("server", ["sqlite-local"], indirect=True)
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("server", ["sqlite-local"], indirect=True)]
 
 BASE = "tiny-llama"
 SCHEMAS = {

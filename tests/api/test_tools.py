@@ -17,6 +17,8 @@ import pytest
 
 from tests.harness.servers import ADMIN_KEY, ServerProcess
 
+pytestmark = pytest.mark.slow  # real servers
+
 MODEL = "tiny"
 WEATHER = {
     "type": "object",

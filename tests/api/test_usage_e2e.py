@@ -28,6 +28,8 @@ from tests.harness.uploads import files_of, peft_adapter, upload
 from tests.harness.usage import export
 from tests.harness.wait import wait_for
 
+pytestmark = pytest.mark.slow  # real servers
+
 BASE = "tiny-llama"
 LONG = {"max_tokens": 200, "ignore_eos": True}
 

@@ -22,6 +22,8 @@ from api.demo.tenant import DEMO_ADAPTERS_DIR
 from api.demo.traits import HELD_OUT_PROMPTS, TRAITS
 from tests.harness.servers import ServerProcess
 
+pytestmark = pytest.mark.slow  # real servers
+
 BASE = SMOLLM2.served_name
 ORACLE_PROMPTS = ("What is the capital of France?", "Give me a tip for staying healthy.")
 ORACLE_TOKENS = 24

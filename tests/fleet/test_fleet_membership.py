@@ -25,6 +25,8 @@ from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_
 from tests.harness.uploads import files_of, peft_adapter, upload
 from tests.harness.wait import wait_for
 
+pytestmark = pytest.mark.slow  # real servers
+
 LOST_AFTER_S = 10.0  # api/fleet/agent.py
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",

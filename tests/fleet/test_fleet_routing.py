@@ -154,6 +154,7 @@ def test_ray_serve_config_is_valid_and_builds() -> None:
         build_app({**app["args"], "max_loras": 0})
 
 
+@pytest.mark.slow
 def test_serve_replicas_refuses_sqlite_and_local_store_naming_each(tmp_path: Path) -> None:
     """`loraserve serve --replicas 2` without PostgreSQL, S3 and an admin key: exit 2 before Ray starts."""
     import os

@@ -28,6 +28,8 @@ from tests.harness.postgres import new_database
 from tests.harness.s3 import s3_backend
 from tests.harness.servers import ADMIN_KEY, LORASERVE, ServerProcess, main_server_args
 
+pytestmark = pytest.mark.slow  # real servers
+
 MODEL = "tiny-llama"
 
 

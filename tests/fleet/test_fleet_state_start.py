@@ -41,6 +41,7 @@ def fleet_parts(postgres_url: str, s3_server: str, tmp_path: Path) -> tuple[str,
     return new_database(postgres_url), f"s3://{s3['bucket']}/registry", env
 
 
+@pytest.mark.slow
 def test_fleet_start_refuses_sqlite_file_store_missing_key_and_unmigrated_db(
     fleet_parts: tuple[str, str, dict[str, str]], tmp_path: Path
 ) -> None:

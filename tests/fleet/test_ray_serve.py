@@ -33,7 +33,7 @@ from tests.harness.wait import wait_for
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 ADMIN_KEY = "lsa-fleet-test-admin-key"
 MODEL = "tiny-llama"
