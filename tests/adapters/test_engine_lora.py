@@ -11,6 +11,7 @@ from base_engine import LLM, SamplingParams
 from tests.adapters.engine_helpers import ALL_SEVEN, make_adapter, peft_model
 from tests.engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
+from tests.harness.wait import wait_for
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
@@ -150,7 +151,6 @@ def test_rank_above_limit_is_refused(tiny_llama_dir, adapters) -> None:
 
 def test_operator_pin_keeps_adapter_on_device(tiny_llama_dir, adapters) -> None:
     import asyncio
-    import time
 
     from base_engine import AsyncEngine, EngineConfig, LLMEngine
 
@@ -161,10 +161,9 @@ def test_operator_pin_keeps_adapter_on_device(tiny_llama_dir, adapters) -> None:
     async_engine.start()
     try:
         asyncio.run(async_engine.pin_adapter(pinned_ref))
-        deadline = time.monotonic() + 30
-        while async_engine.adapter_residency().get(pinned_ref.id) != "gpu" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert async_engine.adapter_residency().get(pinned_ref.id) == "gpu"
+        wait_for(
+            lambda: async_engine.adapter_residency().get(pinned_ref.id) == "gpu", 30, what="pinned on GPU"
+        )
     finally:
         async_engine.shutdown()
     # Two other adapters through the one remaining slot: the pinned one is never evicted.

@@ -6,7 +6,6 @@ series vLLM's Grafana dashboard reads on `/metrics`."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ from api.inference.formatting import token_bytes
 from base_engine.model.tokenizer import load_tokenizer
 from tests.harness.servers import Server
 from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.wait import wait_for
 
 BASE = "tiny-llama"
 SERIES_FILE = Path(__file__).with_name("vllm_grafana_series.txt")
@@ -103,13 +103,13 @@ def test_user_is_recorded_with_the_usage_record(server: Server, tenant) -> None:
     chat = _client(server, key).chat.completions.create(
         model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="end-user-42"
     )
-    deadline = time.monotonic() + 30
-    records: dict[str, dict] = {}
-    while chat.id not in records and time.monotonic() < deadline:
+
+    def exported() -> dict[str, dict]:
         r = server.admin("GET", "/usage/export", params={"tenant_id": tenant_id, "limit": 100})
         assert r.status_code == 200, r.text
-        records = {e["id"]: e["data"] for e in map(json.loads, r.text.splitlines())}
-        time.sleep(0.2)
+        return {e["id"]: e["data"] for e in map(json.loads, r.text.splitlines())}
+
+    records = wait_for(lambda: (found := exported()) and chat.id in found and found, 30, interval=0.2)
     assert records[chat.id]["user"] == "end-user-42"
     too_long = _post(server, key, "/v1/completions", {"model": BASE, "prompt": "x", "user": "u" * 300})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "user", too_long.text

@@ -4,7 +4,6 @@ whatever moment the cancel lands at: here, the worst one, while an output is bei
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestOutput
 from registry.usage import export_usage
 from tests.harness.callers import new_caller
+from tests.harness.wait import wait_for
 
 MAX_TOKENS = 120
 
@@ -90,10 +90,8 @@ def test_cancel_landing_as_an_output_is_handed_over_aborts_the_request(
     finally:
         ticket.release(plan.ctx.usage)
     assert state.meter is not None
-    deadline = time.monotonic() + 30
-    while state.meter.in_flight(plan.ctx.request_id) is not None:  # the engine thread ends it
-        assert time.monotonic() < deadline, "the request never ended"
-        time.sleep(0.01)
+    meter = state.meter  # the engine thread ends the request
+    wait_for(lambda: meter.in_flight(plan.ctx.request_id) is None, 30, interval=0.01, what="the request ends")
     state.meter.flush()
     with state.sessions() as session:
         usage = export_usage(session, tenant_id=caller.tenant.id, limit=10_000).records

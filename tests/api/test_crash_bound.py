@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from api.metering.meter import UsageMeter
 from registry.db import make_engine, session_factory
 from registry.usage import UsageRecord, export_usage
-from tests.harness.servers import ADMIN_KEY, ServerProcess, main_server_args
+from tests.harness.servers import ADMIN_KEY, ServerProcess, bearer, main_server_args
 from tests.harness.usage import REPO_ROOT, begin, record, stored
 
 BASE = "tiny-llama"
@@ -160,10 +160,6 @@ def test_a_crash_during_compaction_leaves_both_journals_and_loses_nothing(
 # ---- real servers -------------------------------------------------------------------------------
 
 
-def _admin() -> dict[str, str]:
-    return {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-
 def _records(data_dir: Path, tenant_id: str) -> list[UsageRecord]:
     engine = make_engine(f"sqlite:///{data_dir / 'loraserve.db'}")
     try:
@@ -179,7 +175,7 @@ def _server(tmp_path: Path, tiny_llama_dir: Path, *extra: str, **env: str) -> Se
 
 
 def _tenant(process: ServerProcess) -> dict[str, Any]:
-    r = httpx.post(f"{process.base_url}/admin/api/tenants", json={"name": "crash"}, headers=_admin())
+    r = httpx.post(f"{process.base_url}/admin/api/tenants", json={"name": "crash"}, headers=bearer(ADMIN_KEY))
     assert r.status_code == 201, r.text
     return r.json()
 

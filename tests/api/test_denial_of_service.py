@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.dos_helpers import Poller, auth, timed
+from tests.api.dos_helpers import Poller, timed
 from tests.harness.hanging_proxy import HangingProxy
 from tests.harness.s3 import s3_client
-from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
 from tests.harness.uploads import CONFIG, files_of, peft_adapter, upload
 
 pytestmark = pytest.mark.slow  # real servers
@@ -113,7 +113,7 @@ def test_hung_object_store_freezes_nothing_else(
         try:
             r = uploader.post(
                 f"{base}/v1/adapters",
-                headers=auth(key),
+                headers=bearer(key),
                 data={"name": f"hung-{i}"},
                 files=[("files", (n, c, "application/octet-stream")) for n, c in files.items()],
             )
@@ -135,7 +135,7 @@ def test_hung_object_store_freezes_nothing_else(
                     ("ready", lambda: client.get(f"{base}/ready")),
                     (
                         "chat",
-                        lambda: client.post(f"{base}/v1/chat/completions", headers=auth(key), json=chat),
+                        lambda: client.post(f"{base}/v1/chat/completions", headers=bearer(key), json=chat),
                     ),
                 ):
                     seconds, r = timed(call)
@@ -203,7 +203,7 @@ def test_flooding_tenant_cannot_lock_out_another(small_server: Server) -> None:
     def flood() -> None:
         with httpx.Client(timeout=120) as client:
             while not stop.is_set():
-                r = client.post(f"{base}/v1/completions", headers=auth(key_a), json=body_a)
+                r = client.post(f"{base}/v1/completions", headers=bearer(key_a), json=body_a)
                 outcome = "ok" if r.status_code == 200 else str(r.status_code)
                 a_counts[outcome] = a_counts.get(outcome, 0) + 1
                 if r.status_code != 200:
@@ -221,7 +221,7 @@ def test_flooding_tenant_cannot_lock_out_another(small_server: Server) -> None:
         with httpx.Client(timeout=60) as client:
             for _ in range(6):
                 seconds, r = timed(
-                    lambda: client.post(f"{base}/v1/completions", headers=auth(key_b), json=body_b)
+                    lambda: client.post(f"{base}/v1/completions", headers=bearer(key_b), json=body_b)
                 )
                 b_latencies.append(seconds)
                 b_statuses.append(r.status_code)

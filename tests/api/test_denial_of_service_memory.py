@@ -19,9 +19,8 @@ from safetensors.torch import save_file
 
 from adapters.limits import max_adapter_weights_bytes
 from adapters.types import LORA_MODULES
-from tests.api.dos_helpers import auth
 from tests.harness.peft_adapters import tiny_shapes
-from tests.harness.servers import ADMIN_KEY, Server, ServerProcess
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer
 from tests.harness.uploads import CONFIG, WEIGHTS
 
 pytestmark = pytest.mark.slow  # real servers
@@ -65,7 +64,7 @@ def _post_files(base: str, key: str, name: str, directory: Path) -> httpx.Respon
     with open(directory / CONFIG, "rb") as config, open(directory / WEIGHTS, "rb") as weights:
         return httpx.post(
             f"{base}/v1/adapters",
-            headers=auth(key),
+            headers=bearer(key),
             data={"name": name},
             files=[("files", (CONFIG, config)), ("files", (WEIGHTS, weights))],
             timeout=300,

@@ -27,7 +27,7 @@ from api.metrics.prometheus import Metrics
 from api.state import AppState
 from base_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from tests.api import console_helpers as ch
-from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
 from tests.harness.uploads import files_of, peft_adapter, upload
 
 TENANT_SERIES = "loraserve_tenant_"
@@ -147,7 +147,7 @@ def test_real_server_keeps_its_files_private_and_its_metrics_anonymous(
     try:
         base, server = process.base_url, Server(process, ADMIN_KEY, "sqlite-local")
         tenant_id, key = server.tenant("secretive")
-        name = httpx.get(f"{base}/admin/api/tenants/{tenant_id}", headers=_admin()).json()["name"]
+        name = httpx.get(f"{base}/admin/api/tenants/{tenant_id}", headers=bearer(ADMIN_KEY)).json()["name"]
         assert (
             upload(server, key, "support-bot", files_of(peft_adapter(tmp_path / "adapter"))).status_code
             == 201
@@ -174,10 +174,6 @@ def test_real_server_keeps_its_files_private_and_its_metrics_anonymous(
     assert modes["."] == 0o700 and modes["adapter-cache"] == 0o700
     too_open = {path: oct(mode) for path, mode in modes.items() if mode & 0o077}
     assert too_open == {}, too_open  # nothing under the data dir is readable by group or others
-
-
-def _admin() -> dict[str, str]:
-    return {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def _lora_info_while_running(base: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
 from tests.harness.structured_fields import parse_dictionary
 from tests.harness.uploads import files_of, peft_adapter, upload
 from tests.harness.usage import export
@@ -44,12 +44,8 @@ def checkpoint_sha256(model_dir: Path) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
-def _auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
 def _post(server: Server, key: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/v1/{path}", json=body, headers=_auth(key), timeout=120)
+    return httpx.post(f"{server.base_url}/v1/{path}", json=body, headers=bearer(key), timeout=120)
 
 
 def _provenance(r: httpx.Response) -> dict[str, Any]:
@@ -90,7 +86,7 @@ def test_header_on_completion_chat_and_stream(server: Server, tiny_llama_dir: Pa
         "POST",
         f"{server.base_url}/v1/chat/completions",
         json={**chat_body, "stream": True},
-        headers=_auth(key),
+        headers=bearer(key),
     ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         streamed = parse_dictionary(r.headers[HEADER])  # with the headers, before any event is read
@@ -105,7 +101,7 @@ def test_adapter_provenance_matches_registry_and_usage_record(
     tenant_id, key = server.tenant("prov-lora")
     files = files_of(peft_adapter(tmp_path / "a", seed=3))
     assert upload(server, key, "prov-bot", files).status_code == 201
-    info = httpx.get(f"{server.base_url}/v1/adapters/prov-bot", headers=_auth(key), timeout=30).json()
+    info = httpx.get(f"{server.base_url}/v1/adapters/prov-bot", headers=bearer(key), timeout=30).json()
     version = info["versions"][-1]
     assert version["sha256"] == hashlib.sha256(files["adapter_model.safetensors"]).hexdigest()
     r = _post(server, key, "completions", {"model": "prov-bot", "prompt": "Hello", "max_tokens": 3})

@@ -27,6 +27,7 @@ from tests.api.console_helpers import csrf_of
 from tests.harness.postgres import new_database
 from tests.harness.s3 import s3_backend
 from tests.harness.servers import ADMIN_KEY, LORASERVE, ServerProcess, main_server_args
+from tests.harness.wait import wait_for
 
 pytestmark = pytest.mark.slow  # real servers
 
@@ -152,10 +153,8 @@ def test_concurrency_limit_holds_across_both_replicas(replicas: tuple[ServerProc
         done.set()
         for holder in holders:
             holder.join(60)
-    deadline = time.monotonic() + 30  # released slots are written by a background thread: poll
-    while _ask(_client(replicas[1], key)) != "ok":
-        assert time.monotonic() < deadline, "the slots never came back"
-        time.sleep(0.2)
+    # Released slots are written by a background thread: poll.
+    wait_for(lambda: _ask(_client(replicas[1], key)) == "ok", 30, interval=0.2, what="the slots come back")
 
 
 def test_console_login_works_through_the_other_replica_and_after_a_restart(

@@ -33,6 +33,11 @@ ADMIN_KEY = "lsa-test-admin-key"
 LORASERVE = str(Path(sys.executable).with_name("loraserve"))
 
 
+def bearer(key: str) -> dict[str, str]:
+    """The Authorization header of an API or admin key."""
+    return {"Authorization": f"Bearer {key}"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
