@@ -43,7 +43,7 @@ bench: setup
 serve: setup
 	$(BIN)/loraserve serve
 
-# Issue 13's reliability suite: real servers on 127.0.0.1, one JSON line per case, RELIABILITY.md.
+# The reliability suite: real servers on 127.0.0.1, one JSON line per case, RELIABILITY.md.
 .PHONY: reliability
 reliability: setup system-deps
 	$(BIN)/python reliability/run.py

@@ -1,4 +1,4 @@
-"""Scale-out on Ray Serve (issue 16): 2 replicas vs 1 on the lora workload, and adapter loads per
+"""Scale-out on Ray Serve: 2 replicas vs 1 on the lora workload, and adapter loads per
 request with affinity routing vs without (random: Ray's least-loaded choice, no model id).
 
     python benchmarks/scale_out.py            # one JSON line; about 4 minutes on 2 CPU cores

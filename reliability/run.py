@@ -1,4 +1,4 @@
-"""The reliability suite of issue 13: real `loraserve serve` processes on 127.0.0.1, hostile and unlucky
+"""The reliability suite: real `loraserve serve` processes on 127.0.0.1, hostile and unlucky
 clients, one JSON line per case on stdout and a figures table in RELIABILITY.md.
 
 Cases: abort storm, hostile uploads (both backends), mixed load, kill -9 mid-load + restart,

@@ -1,4 +1,4 @@
-"""AdapterCache.evict (issue 16: a fleet replica drops an adapter that may no longer be served).
+"""AdapterCache.evict (a fleet replica drops an adapter that may no longer be served).
 
 Real peft adapters on the tiny Llama, loaded by the cache's own background loader; the oracle is the
 cache's residency, pins and slots.

@@ -1,5 +1,5 @@
-"""Upload validation maps the weights file instead of reading it (issue 13: a 500 MB upload added
-1,000 MB resident): same verdicts and hashes as the in-memory path, the data offsets must tile the
+"""Upload validation maps the weights file instead of reading it (reading a 500 MB upload
+once added 1,000 MB resident): same verdicts and hashes as the in-memory path, the data offsets must tile the
 file as the safetensors library requires, and no mapping outlives the call."""
 
 from __future__ import annotations

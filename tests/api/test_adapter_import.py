@@ -1,4 +1,4 @@
-"""Adapters by reference (issue 15): `POST /v1/adapters/import` and the admin's, from moto's S3 over HTTP.
+"""Adapters by reference: `POST /v1/adapters/import` and the admin's, from moto's S3 over HTTP.
 
 One real server (SQLite, registry on S3) whose allowlist names an import prefix, the registry's own
 bucket (listed on purpose: it must still be refused) and a local directory (file:// switched on).

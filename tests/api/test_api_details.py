@@ -1,4 +1,4 @@
-"""Issue 15 items 3 and 4 against a real server (SQLite + local store), with the official `openai`
+"""API details against a real server (SQLite + local store), with the official `openai`
 client and httpx: partial-UTF-8 logprobs, `max_completion_tokens`, `user` in the usage record,
 `/tokenize` and `/detokenize`, adapter names vs the base model, identical re-uploads, and the
 series vLLM's Grafana dashboard reads on `/metrics`."""

@@ -1,4 +1,4 @@
-"""Issue 13, "wrong answers to bad input", in process on the real app: hostile values get a 4xx in
+"""Wrong answers to bad input, in process on the real app: hostile values get a 4xx in
 OpenAI's error shape (never a 500, never FastAPI's 422), /openapi.json lists the statuses routes
 really return, and error bodies carry no server path, URL or internal id.
 

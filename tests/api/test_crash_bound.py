@@ -1,4 +1,4 @@
-"""Issue 13, "losing less on a crash": a kill -9 loses at most ~1 s of streamed tokens per request (the
+"""Losing less on a crash: a kill -9 loses at most ~1 s of streamed tokens per request (the
 journal records each stream's progress), the journal's fsync never holds the lock the request path
 takes, and a stream cut by SIGTERM still gets its usage chunk before `[DONE]`.
 

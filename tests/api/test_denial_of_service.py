@@ -1,4 +1,4 @@
-"""Issue 13, denial of service, against real server processes: a hostile regex in an upload, a hung
+"""Denial of service, against real server processes: a hostile regex in an upload, a hung
 object store, one tenant flooding the admission slots (uploads amplifying memory:
 test_denial_of_service_memory.py).
 
@@ -21,12 +21,12 @@ import pytest
 from tests.api.dos_helpers import Poller, timed
 from tests.harness.hanging_proxy import HangingProxy
 from tests.harness.s3 import s3_client
-from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, launch_server, main_server_args
 from tests.harness.uploads import CONFIG, files_of, peft_adapter, upload
 
 pytestmark = pytest.mark.slow  # real servers
 
-EVIL = "(.|.){0,24}Z"  # 2^24 backtracking steps per module name for Python's re (issue 13: 71 s)
+EVIL = "(.|.){0,24}Z"  # 2^24 backtracking steps per module name for Python's re (71 s once)
 
 
 # ---- 1. regex DoS ------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ def test_hostile_regex_upload_validates_fast_and_health_stays_responsive(
     assert accepted.status_code == 201, accepted.text
     assert accepted.json()["modules"] == ["q_proj", "v_proj", "down_proj"]
     assert refusal.status_code == 400 and "targets no projection" in refusal.json()["error"]["message"]
-    # The whole upload (HTTP, validation, store, database) in well under the 71 s of issue 13.
+    # The whole upload (HTTP, validation, store, database) in well under the 71 s Python's re once took.
     assert accepted_s < 3.0 and refused_s < 3.0, (accepted_s, refused_s)
     assert health.statuses and set(health.statuses) == {200}
     assert max(health.latencies) < 1.0, max(health.latencies)
@@ -122,7 +122,7 @@ def test_hung_object_store_freezes_nothing_else(
             status, code = 0, type(exc).__name__
         results.append((time.monotonic() - start, status, code))
 
-    # More uploads than anyio's 40-thread pool, the pool they exhausted in issue 13.
+    # More uploads than anyio's 40-thread pool, the pool they once exhausted.
     with uploader, ThreadPoolExecutor(45) as uploads:
         futures = [uploads.submit(one_upload, i) for i in range(45)]
         time.sleep(0.5)
@@ -183,11 +183,8 @@ def test_hung_object_store_freezes_nothing_else(
 def small_server(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[Server]:
     args = ["--model", str(tiny_llama_dir), "--served-model-name", "tiny-llama", "--max-model-len", "256"]
     args += ["--num-kv-blocks", "256", "--max-num-seqs", "4", "--max-queue-len", "12"]
-    process = ServerProcess(args, tmp_path / "data", env={"LORASERVE_ADMIN_KEY": ADMIN_KEY}).start()
-    try:
-        yield Server(process, ADMIN_KEY, "sqlite-local")
-    finally:
-        process.stop()
+    with launch_server(args, tmp_path / "data", check_exit=False) as started:
+        yield started
 
 
 def test_flooding_tenant_cannot_lock_out_another(small_server: Server) -> None:

@@ -1,4 +1,4 @@
-"""Issue 13, denial of service: uploads amplifying memory, against a real server process. Three
+"""Denial of service: uploads amplifying memory, against a real server process. Three
 concurrent uploads of the largest legal adapter must grow the server's RSS by at most 100 MB; the
 measurements are printed (`-s` shows them). The other attacks are in test_denial_of_service.py.
 """

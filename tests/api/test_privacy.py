@@ -1,4 +1,4 @@
-"""Issue 13: what the server shows and leaves behind about its tenants.
+"""What the server shows and leaves behind about its tenants.
 
 - `/metrics` (unauthenticated) names no tenant by default: no per-tenant series, and
   `vllm:lora_requests_info` names adapters as clients send them in `model` (vLLM's convention), never

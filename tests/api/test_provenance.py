@@ -1,4 +1,4 @@
-"""Provenance on every answer (issue 18), on a real server per backend: the `X-Loraserve-Provenance`
+"""Provenance on every answer, on a real server per backend: the `X-Loraserve-Provenance`
 header on completions, chat and streamed chat, base model and adapter; the same fields in the usage
 record; `deterministic` validation; a server-drawn seed that replays the answer; `--deterministic`.
 

@@ -131,7 +131,7 @@ def test_journal_keeps_provenance_across_a_crash() -> None:
     assert aborted.provenance == provenance
     assert parse_line(finish_line(aborted)) == aborted
     old = json.loads(begin_line(req))
-    del old["provenance"]  # a line written before issue 18
+    del old["provenance"]  # a line written before provenance existed
     assert parse_line(json.dumps(old)).provenance is None  # type: ignore[union-attr]
 
 

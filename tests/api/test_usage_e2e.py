@@ -1,4 +1,4 @@
-"""Issue 7 end to end against real `loraserve serve` processes: usage equals what clients received,
+"""Usage metering end to end against real `loraserve serve` processes: usage equals what clients received,
 each request is metered once (also across a crash), tenants see only their own usage, `/metrics`
 parses and moves, quotas refuse with 429, and prefix-cache blocks are shared per tenant only.
 

@@ -1,4 +1,4 @@
-"""Deterministic mode (issue 18): a request's tokens and logprobs are bitwise the same alone and in any
+"""Deterministic mode: a request's tokens and logprobs are bitwise the same alone and in any
 batch — other requests and adapters, prefill chunking, prefix-cache hits, preemption.
 
 The model's MLP is 1408 wide (bench-small's), so its down projection is a K = 1408 GEMM: the shape

@@ -1,4 +1,4 @@
-"""Two real `loraserve serve --fleet` replicas on one PostgreSQL + S3 share their state (issue 16).
+"""Two real `loraserve serve --fleet` replicas on one PostgreSQL + S3 share their state.
 
 Per-process state made per-fleet: a tenant's rpm and concurrency limits hold once across both
 replicas (not twice), and an admin console login made through one works through the other and after

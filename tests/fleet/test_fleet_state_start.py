@@ -1,4 +1,4 @@
-"""How a fleet replica starts (issue 16): refusals that name what is missing, migrations once per deploy.
+"""How a fleet replica starts: refusals that name what is missing, migrations once per deploy.
 
 Real `loraserve` subprocesses against a throwaway PostgreSQL and moto's S3 server. The refusals come
 before any model is loaded, so each run takes only the CLI's start-up.

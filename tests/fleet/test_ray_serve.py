@@ -1,4 +1,4 @@
-"""The fleet on a real local Ray Serve (issue 16 part B): ingress + 2 engine replicas on CPU.
+"""The fleet on a real local Ray Serve: ingress + 2 engine replicas on CPU.
 
 One Ray cluster per module (num_cpus=2; each replica one CPU and one engine thread) serving the tiny
 random Llama on a throwaway PostgreSQL + moto S3, deployed as `loraserve serve --replicas 2` deploys

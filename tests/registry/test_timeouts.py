@@ -1,4 +1,4 @@
-"""Slow dependencies end in errors within their configured bounds (issue 13: a hung S3 held threads
+"""Slow dependencies end in errors within their configured bounds (a hung S3 once held threads
 for minutes): the S3 store behind a proxy that stops answering, PostgreSQL that never answers a
 connection, and a statement that runs longer than the read timeout."""
 

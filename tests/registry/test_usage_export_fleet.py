@@ -1,4 +1,4 @@
-"""The usage export with several writers on PostgreSQL (issue 16): every row exactly once.
+"""The usage export with several writers on PostgreSQL: every row exactly once.
 
 A fleet's replicas each flush usage in their own transactions, so a row with a lower id can commit
 after a reader has paged past higher ids. The export's (txid, id) order below the oldest running
