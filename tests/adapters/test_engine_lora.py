@@ -49,6 +49,7 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.mark.slow
 def test_mixed_batch_matches_peft_one_adapter_at_a_time(tiny_llama_dir, adapters) -> None:
     names = [None, "qv8", "all16_rs", "patterns", "qv8", None, "patterns", "all16_rs"]
     prompts = random_prompts(len(names), 500, 3, 25, seed=31)
@@ -72,6 +73,7 @@ def test_mixed_batch_matches_peft_one_adapter_at_a_time(tiny_llama_dir, adapters
     assert compared >= 4 * MAX_NEW
 
 
+@pytest.mark.slow
 def test_zero_b_adapter_and_base_rows_are_bit_identical(tiny_llama_dir, adapters) -> None:
     prompts = random_prompts(4, 500, 5, 20, seed=32)
     # No prefix caching: a prefix hit changes how (not what) attention computes, so bits could differ.

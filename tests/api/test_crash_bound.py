@@ -223,6 +223,7 @@ def test_kill_9_mid_stream_bills_what_was_streamed(tiny_llama_dir: Path, tmp_pat
     )
 
 
+@pytest.mark.slow
 def test_sigterm_cut_stream_gets_its_usage_chunk_before_done(tiny_llama_dir: Path, tmp_path: Path) -> None:
     process = _server(tmp_path, tiny_llama_dir, "--drain-timeout-s", "0.3").start()
     tenant = _tenant(process)

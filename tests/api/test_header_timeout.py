@@ -162,6 +162,7 @@ def test_deadline_starts_again_after_each_response(port: int) -> None:
         _assert_408(_read_until_closed(sock))
 
 
+@pytest.mark.slow
 def test_the_open_files_limit_is_raised_to_the_hard_limit() -> None:
     code = (
         "import resource\n"

@@ -27,6 +27,7 @@ def _run(model_dir, attention: str, prompts: list[list[int]]) -> dict:
     return finals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "mistral-window"])
 def test_paged_path_matches_bucketed_path(arch: str, make_checkpoint) -> None:
     if arch == "llama":

@@ -17,6 +17,7 @@ from registry.s3 import S3Store
 from tests.harness.hanging_proxy import HangingProxy
 
 
+@pytest.mark.slow
 def test_s3_calls_end_within_their_timeouts_when_the_endpoint_hangs(
     s3_bucket: str, s3_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
