@@ -1,4 +1,4 @@
-"""Engine test helpers: HF reference models and random prompts."""
+"""Engine test fixtures: HF reference models, loaded once per session (prompts: tests.harness.engine_inputs)."""
 
 from __future__ import annotations
 
