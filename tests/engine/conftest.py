@@ -1,4 +1,4 @@
-"""Engine test fixtures: HF reference models, loaded once per session (prompts: tests.harness.engine_inputs)."""
+"""Engine test fixtures: HF reference models, once per session (prompts: tests.harness.engine_inputs)."""
 
 from __future__ import annotations
 
