@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-ray lint bench serve system-deps clean
+.PHONY: setup test test-fast test-ray lint bench serve system-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ lint: setup
 
 test: setup system-deps lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" --timeout=900
+
+# The quick run: no real servers, Ray or browser (the `slow` marker), no GPU; a few minutes on 2 cores.
+test-fast: setup lint
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow and not gpu" --timeout=900
 
 # The fleet on a real local Ray Serve (2 CPUs, 2 replicas; about 3 minutes). Also part of
 # `make test`; this target runs only them.

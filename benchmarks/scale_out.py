@@ -1,4 +1,4 @@
-"""Scale-out on Ray Serve (issue 16): 2 replicas vs 1 on the lora workload, and adapter loads per
+"""Scale-out on Ray Serve: 2 replicas vs 1 on the lora workload, and adapter loads per
 request with affinity routing vs without (random: Ray's least-loaded choice, no model id).
 
     python benchmarks/scale_out.py            # one JSON line; about 4 minutes on 2 CPU cores
@@ -34,28 +34,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import SMALL_MODEL, run_load  # noqa: E402
-from tests.api.conftest import _postgres_database, _s3_env, free_port_for_ray  # noqa: E402
-from tests.fixtures import postgres as pg  # noqa: E402
+from tests.harness.postgres import NoPostgres, new_database, postgres_cluster  # noqa: E402
+from tests.harness.s3 import s3_backend  # noqa: E402
+from tests.harness.servers import free_port_for_ray  # noqa: E402
 
 ADMIN_KEY = f"lsa-{uuid.uuid4().hex}"
 
 
-def postgres_cluster(stack: ExitStack) -> str:
-    """A throwaway PostgreSQL cluster (as tests/fixtures/postgres.py starts one); its admin URL."""
-    bindir = pg._pg_bindir()
-    if bindir is None:
-        raise SystemExit("no PostgreSQL server binaries (run `make system-deps`)")
-    root = Path(tempfile.mkdtemp(prefix="loraserve-pg-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        shutil.chown(root, user="postgres", group="postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    stack.callback(shutil.rmtree, root, True)
-    port = pg._start(bindir, root, as_user)
-    stop = [str(bindir / "pg_ctl"), "-D", str(root / "data"), "-m", "immediate", "stop"]
-    stack.callback(pg._run, stop, as_user)
-    return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+def throwaway_postgres(stack: ExitStack) -> str:
+    """A throwaway PostgreSQL cluster (stopped by `stack`); its admin URL."""
+    try:
+        return stack.enter_context(postgres_cluster())
+    except NoPostgres as missing:
+        raise SystemExit(str(missing)) from None
 
 
 def adapter_loads(base_url: str, num_replicas: int) -> dict[str, int]:
@@ -172,8 +163,8 @@ def main() -> None:
         moto.start()
         stack.callback(moto.stop)
         host, port = moto.get_host_and_port()
-        s3 = _s3_env(f"http://{host}:{port}", tmp)
-        db_url = _postgres_database(postgres_cluster(stack))
+        s3 = s3_backend(f"http://{host}:{port}", tmp)
+        db_url = new_database(throwaway_postgres(stack))
         model_dir = save_random_checkpoint(tmp / "model", **SMALL_MODEL)  # type: ignore[arg-type]
         settings = load_settings(
             model=model_dir, served_model_name="bench", data_dir=tmp / "data", db=db_url,

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.api.conftest import ADMIN_KEY, Server
+from tests.harness.servers import ADMIN_KEY, Server
 
 BASE = "tiny-llama"
 EVIL = "(.|.){0,24}Z"
@@ -50,15 +50,6 @@ def auth(key: str) -> dict[str, str]:
 
 def admin() -> dict[str, str]:
     return auth(ADMIN_KEY)
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float) -> float:
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout_s:
-            raise TimeoutError(f"condition not reached in {timeout_s} s")
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 def usage_records(base_url: str, tenant_id: str) -> list[dict[str, Any]]:

@@ -15,18 +15,14 @@ from typing import Any
 
 import httpx
 
-from reliability.common import BASE, SERVER_ENV, admin, auth, usage_records, wait_for
-from tests.api.conftest import (
-    ADMIN_KEY,
-    Server,
-    ServerProcess,
-    _postgres_database,
-    _s3_env,
-    main_server_args,
-)
-from tests.api.faults import TcpProxy
-from tests.api.hanging_proxy import HangingProxy
-from tests.api.uploads import files_of, peft_adapter, upload
+from reliability.common import BASE, SERVER_ENV, admin, auth, usage_records
+from tests.harness.hanging_proxy import HangingProxy
+from tests.harness.postgres import new_database
+from tests.harness.s3 import s3_backend
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.tcp_proxy import TcpProxy
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.wait import wait_for
 
 # ---- 4. kill -9 mid-load + restart ----------------------------------------------------------------
 
@@ -151,9 +147,9 @@ def _recovered(base: str, key: str, chat: dict[str, Any], model_name: str) -> Ca
 
 
 def case_outages(model: Path, tmp: Path, pg_url: str, s3_server: str) -> tuple[dict[str, Any], list[str]]:
-    direct = _postgres_database(pg_url)
+    direct = new_database(pg_url)
     pg_port = int(re.search(r"@127\.0\.0\.1:(\d+)/", direct).group(1))  # type: ignore[union-attr]
-    s3 = _s3_env(s3_server, tmp)
+    s3 = s3_backend(s3_server, tmp)
     with ExitStack() as stack:
         hang = stack.enter_context(HangingProxy(s3_server))
         h_host, h_port = hang.url.removeprefix("http://").split(":")
@@ -195,7 +191,9 @@ def case_outages(model: Path, tmp: Path, pg_url: str, s3_server: str) -> tuple[d
             during = _probe(base, key, cold)
             five_hundreds += sum(1 for v in during.values() if v.startswith("500"))
             restore()
-            recovery_s = wait_for(_recovered(base, key, chat, cold), 90)
+            outage_end = time.monotonic()
+            wait_for(_recovered(base, key, chat, cold), 90, interval=0.1)
+            recovery_s = time.monotonic() - outage_end
             figures[outage] = {"during": during, "recovery_s": round(recovery_s, 1)}
         figures["status_500"] = five_hundreds
         return figures, ["status_500"]

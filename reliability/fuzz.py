@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from reliability.common import admin, auth
-from tests.api.conftest import Server
+from tests.harness.servers import Server
 
 ST_MAX_EXAMPLES = 20  # per operation and generation mode (positive, negative)
 ST_BUDGET_S = 180.0  # the whole case's request budget; operations not reached are counted, not hidden

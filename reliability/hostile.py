@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from reliability.common import BASE, EVIL, auth
-from tests.api.conftest import MAX_LORA_RANK, MAX_UPLOAD_BYTES, Server
-from tests.api.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
+from tests.harness.servers import MAX_LORA_RANK, MAX_UPLOAD_BYTES, Server
+from tests.harness.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
 
 # ---- 2. hostile uploads --------------------------------------------------------------------------
 

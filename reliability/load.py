@@ -11,9 +11,10 @@ from typing import Any
 
 import httpx
 
-from reliability.common import BASE, auth, idle, percentile, usage_records, wait_for
-from tests.api.conftest import Server
-from tests.api.uploads import files_of, peft_adapter, upload
+from reliability.common import BASE, auth, idle, percentile, usage_records
+from tests.harness.servers import Server
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.wait import wait_for
 
 # ---- 1. abort storm ------------------------------------------------------------------------------
 
@@ -58,7 +59,7 @@ def case_abort_storm(server: Server, tmp: Path) -> tuple[dict[str, Any], list[st
         assert r.status_code == 201, r.text
     n = 300
     admitted, rejected, errors, ids = asyncio.run(_storm(server, key, n))
-    wait_for(lambda: idle(server), 60)
+    wait_for(lambda: idle(server), 60, interval=0.1)
     st = server.engine_stats()
     per_adapter = st["adapters"].get("per_adapter", {})
     pins = sum(v["running"] + v["waiting"] for v in per_adapter.values()) + len(st["adapters"]["pinned"])
@@ -67,7 +68,7 @@ def case_abort_storm(server: Server, tmp: Path) -> tuple[dict[str, Any], list[st
         return {r["request_id"] for r in usage_records(server.base_url, tenant_id)}
 
     try:
-        wait_for(lambda: billed() >= ids, 15)
+        wait_for(lambda: billed() >= ids, 15, interval=0.1)
     except TimeoutError:
         pass
     records = usage_records(server.base_url, tenant_id)
@@ -145,7 +146,7 @@ def case_load(server: Server, tmp: Path) -> tuple[dict[str, Any], list[str]]:
     start = time.monotonic()
     latencies, errors, tokens = asyncio.run(_load(server, key, n))
     wall = time.monotonic() - start
-    wait_for(lambda: idle(server), 60)
+    wait_for(lambda: idle(server), 60, interval=0.1)
     return {
         "requests": n,
         "errors": len(errors),

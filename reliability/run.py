@@ -1,4 +1,4 @@
-"""The reliability suite of issue 13: real `loraserve serve` processes on 127.0.0.1, hostile and unlucky
+"""The reliability suite: real `loraserve serve` processes on 127.0.0.1, hostile and unlucky
 clients, one JSON line per case on stdout and a figures table in RELIABILITY.md.
 
 Cases: abort storm, hostile uploads (both backends), mixed load, kill -9 mid-load + restart,
@@ -14,7 +14,6 @@ hostile, faults, fuzz) and report writes RELIABILITY.md.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -34,15 +33,9 @@ from reliability.fuzz import case_schemathesis  # noqa: E402
 from reliability.hostile import case_hostile_uploads  # noqa: E402
 from reliability.load import case_abort_storm, case_load  # noqa: E402
 from reliability.report import write_report  # noqa: E402
-from tests.api.conftest import (  # noqa: E402
-    ADMIN_KEY,
-    Server,
-    ServerProcess,
-    _postgres_database,
-    _s3_env,
-    main_server_args,
-)
-from tests.fixtures import postgres as pg  # noqa: E402
+from tests.harness.postgres import NoPostgres, new_database, postgres_cluster  # noqa: E402
+from tests.harness.s3 import s3_backend  # noqa: E402
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args  # noqa: E402
 
 CASES = ("abort storm", "hostile uploads", "mixed load", "kill -9 + restart", "outages", "schemathesis")
 
@@ -114,8 +107,8 @@ def _server_factory(
         d.mkdir(parents=True)
         args, env, s3 = main_server_args(model), dict(SERVER_ENV), None
         if backend == "postgres-s3":
-            s3 = _s3_env(s3_server, d)
-            args += ["--db", _postgres_database(pg_url), "--registry", f"s3://{s3['bucket']}/registry"]
+            s3 = s3_backend(s3_server, d)
+            args += ["--db", new_database(pg_url), "--registry", f"s3://{s3['bucket']}/registry"]
             env |= {k: v for k, v in s3.items() if k.startswith("AWS_")}
         process = ServerProcess(args, d / "data", env=env).start()
         stack.callback(process.stop)
@@ -136,21 +129,11 @@ def _moto_server(stack: ExitStack) -> str:
 
 
 def _postgres_cluster(stack: ExitStack) -> str:
-    bindir = pg._pg_bindir()
-    if bindir is None:
-        raise SystemExit("no PostgreSQL server binaries (run `make system-deps`)")
-    root = Path(tempfile.mkdtemp(prefix="loraserve-pg-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        shutil.chown(root, user="postgres", group="postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    stack.callback(shutil.rmtree, root, True)
-    port = pg._start(bindir, root, as_user)
-    stack.callback(
-        pg._run, [str(bindir / "pg_ctl"), "-D", str(root / "data"), "-m", "immediate", "stop"], as_user
-    )
-    return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+    """A throwaway PostgreSQL cluster (stopped by `stack`); its admin URL."""
+    try:
+        return stack.enter_context(postgres_cluster())
+    except NoPostgres as missing:
+        raise SystemExit(str(missing)) from None
 
 
 if __name__ == "__main__":

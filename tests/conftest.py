@@ -1,4 +1,4 @@
-"""Shared pytest set-up: fixture plugins live in tests/fixtures/ (one module per real part)."""
+"""Shared pytest set-up: fixture plugins live in tests/harness/ (one module per real part)."""
 
 import os
 
@@ -16,9 +16,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 pytest_plugins = [
-    "tests.fixtures.models",
-    "tests.fixtures.postgres",
-    "tests.fixtures.s3",
+    "tests.harness.models",
+    "tests.harness.postgres",
+    "tests.harness.s3",
+    "tests.harness.shared_server",
+    "tests.harness.usage",
 ]
 
 

@@ -6,23 +6,24 @@ cache's residency, pins and slots.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
 from adapters.cache import AdapterCache
 from adapters.types import AdapterRef
-from tests.adapters.helpers import save_peft_adapter, tiny_shapes
+from tests.harness.peft_adapters import save_peft_adapter, tiny_shapes
+from tests.harness.wait import wait_for
 
 
 def loaded(cache: AdapterCache, ref: AdapterRef, timeout_s: float = 30.0) -> None:
     cache.request_load(ref)
-    deadline = time.monotonic() + timeout_s
-    while ref.id not in cache.host:
+
+    def in_host_tier() -> bool:
         assert not cache.poll(), "load failed"
-        assert time.monotonic() < deadline, "adapter did not load"
-        time.sleep(0.02)
+        return ref.id in cache.host
+
+    wait_for(in_host_tier, timeout_s, interval=0.02, what="adapter loaded")
 
 
 def adapters_and_cache(

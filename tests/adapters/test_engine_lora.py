@@ -9,8 +9,9 @@ import pytest
 
 from base_engine import LLM, SamplingParams
 from tests.adapters.engine_helpers import ALL_SEVEN, make_adapter, peft_model
-from tests.engine.conftest import random_prompts
 from tests.engine.oracle import assert_greedy_match, hf_greedy
+from tests.harness.engine_inputs import random_prompts
+from tests.harness.wait import wait_for
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
@@ -48,6 +49,7 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.mark.slow
 def test_mixed_batch_matches_peft_one_adapter_at_a_time(tiny_llama_dir, adapters) -> None:
     names = [None, "qv8", "all16_rs", "patterns", "qv8", None, "patterns", "all16_rs"]
     prompts = random_prompts(len(names), 500, 3, 25, seed=31)
@@ -71,6 +73,7 @@ def test_mixed_batch_matches_peft_one_adapter_at_a_time(tiny_llama_dir, adapters
     assert compared >= 4 * MAX_NEW
 
 
+@pytest.mark.slow
 def test_zero_b_adapter_and_base_rows_are_bit_identical(tiny_llama_dir, adapters) -> None:
     prompts = random_prompts(4, 500, 5, 20, seed=32)
     # No prefix caching: a prefix hit changes how (not what) attention computes, so bits could differ.
@@ -150,7 +153,6 @@ def test_rank_above_limit_is_refused(tiny_llama_dir, adapters) -> None:
 
 def test_operator_pin_keeps_adapter_on_device(tiny_llama_dir, adapters) -> None:
     import asyncio
-    import time
 
     from base_engine import AsyncEngine, EngineConfig, LLMEngine
 
@@ -161,10 +163,9 @@ def test_operator_pin_keeps_adapter_on_device(tiny_llama_dir, adapters) -> None:
     async_engine.start()
     try:
         asyncio.run(async_engine.pin_adapter(pinned_ref))
-        deadline = time.monotonic() + 30
-        while async_engine.adapter_residency().get(pinned_ref.id) != "gpu" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert async_engine.adapter_residency().get(pinned_ref.id) == "gpu"
+        wait_for(
+            lambda: async_engine.adapter_residency().get(pinned_ref.id) == "gpu", 30, what="pinned on GPU"
+        )
     finally:
         async_engine.shutdown()
     # Two other adapters through the one remaining slot: the pinned one is never evicted.

@@ -12,7 +12,7 @@ import torch
 
 from adapters import LORA_MODULES, AdapterFormatError, load_adapter
 from adapters.peft_targets import module_keys
-from tests.adapters.helpers import (
+from tests.harness.peft_adapters import (
     edit_config,
     edit_tensors,
     peft_deltas,

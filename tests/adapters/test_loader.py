@@ -15,7 +15,8 @@ from adapters.format import load_adapter
 from adapters.loader import AdapterLoader, backoff_s
 from adapters.testing import save_random_adapter
 from adapters.types import AdapterRef
-from tests.adapters.helpers import tiny_shapes
+from tests.harness.peft_adapters import tiny_shapes
+from tests.harness.wait import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +33,17 @@ def _parse():
 
 
 def _poll_until(loader: AdapterLoader, ref: AdapterRef, timeout: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Poll the loader until `ref` is "loaded" or "failed"."""
+
+    def outcome() -> str | None:
         done, failures = loader.poll()
         if any(r == ref.id for r, _, _ in done):
             return "loaded"
         if any(r == ref.id for r, _ in failures):
             return "failed"
-        time.sleep(0.01)
-    raise AssertionError(f"{ref.id} neither loaded nor failed")
+        return None
+
+    return wait_for(outcome, timeout, interval=0.01, what=f"{ref.id} loaded or failed")
 
 
 def test_backoff_starts_within_5_s_and_is_capped_at_60_s() -> None:

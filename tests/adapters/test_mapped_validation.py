@@ -1,5 +1,5 @@
-"""Upload validation maps the weights file instead of reading it (a 500 MB upload once added
-1,000 MB resident): same verdicts and hashes as the in-memory path, the data offsets must tile the
+"""Upload validation maps the weights file instead of reading it (reading a 500 MB upload
+once added 1,000 MB resident): same verdicts and hashes as the in-memory path, the data offsets must tile the
 file as the safetensors library requires, and no mapping outlives the call."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from adapters import AdapterFormatError, load_adapter, validate_adapter
 from adapters.files import read_adapter_files
 from adapters.limits import max_adapter_weights_bytes
-from tests.adapters.helpers import save_peft_adapter, tiny_shapes
+from tests.harness.peft_adapters import save_peft_adapter, tiny_shapes
 
 WEIGHTS = "adapter_model.safetensors"
 LIMITS = {"max_lora_rank": 64, "max_size_bytes": 10 << 20}

@@ -12,7 +12,7 @@ import torch
 
 from adapters import AdapterValidationError, validate_adapter
 from adapters.factors import max_activation
-from tests.adapters.helpers import edit_config, edit_tensors, save_peft_adapter, tiny_shapes
+from tests.harness.peft_adapters import edit_config, edit_tensors, save_peft_adapter, tiny_shapes
 
 LIMITS = {"max_lora_rank": 64, "max_size_bytes": 10 << 20}
 RANK = 8

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from adapters import AdapterFormatError, AdapterValidationError, validate_adapter
-from tests.adapters.helpers import edit_tensors, save_peft_adapter, tiny_model, tiny_shapes
+from tests.harness.peft_adapters import edit_tensors, save_peft_adapter, tiny_model, tiny_shapes
 
 LIMITS = {"max_lora_rank": 64, "max_size_bytes": 10 << 20}
 WEIGHTS = "adapter_model.safetensors"

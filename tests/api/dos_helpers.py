@@ -11,10 +11,6 @@ from collections.abc import Callable
 import httpx
 
 
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
 def timed(fn: Callable[[], httpx.Response]) -> tuple[float, httpx.Response]:
     start = time.monotonic()
     response = fn()

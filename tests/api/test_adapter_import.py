@@ -28,17 +28,16 @@ from api.tenant_adapters.imports import download_adapter_files, import_error
 from api.tenant_adapters.uploads import UploadLimits
 from registry.errors import ObjectNotFound, StoreUnavailable
 from registry.stores import open_store
-from tests.api.conftest import (
+from tests.harness.s3 import s3_backend, s3_client
+from tests.harness.servers import (
     ADMIN_KEY,
     MAX_UPLOAD_BYTES,
     Server,
     ServerProcess,
-    _s3_client,
-    _s3_env,
     free_port,
     main_server_args,
 )
-from tests.api.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
+from tests.harness.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +56,8 @@ def imp(
     s3_server: str, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ImportServer]:
     tmp = tmp_path_factory.mktemp("import-server")
-    registry = _s3_env(s3_server, tmp)
-    source = _s3_env(s3_server, tmp)
+    registry = s3_backend(s3_server, tmp)
+    source = s3_backend(s3_server, tmp)
     local = tmp / "local"
     local.mkdir()
     prefixes = [f"s3://{source['bucket']}/ok", f"s3://{registry['bucket']}", local.as_uri()]
@@ -81,7 +80,7 @@ def _put(server: ImportServer, prefix: str, files: dict[str, bytes], *, bucket: 
     s3 = server.source
     bucket = bucket or s3["bucket"]
     for name, content in files.items():
-        _s3_client(s3).put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=content)
+        s3_client(s3).put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=content)
     return f"s3://{bucket}/{prefix}"
 
 
@@ -103,6 +102,7 @@ def _unique() -> str:
     return uuid.uuid4().hex[:8]
 
 
+@pytest.mark.slow
 def test_import_registers_and_serves(imp: ImportServer, good: dict[str, bytes]) -> None:
     _, key = imp.tenant("imp")
     r = _import(imp, key, "bot", _put(imp, f"ok/{_unique()}", good))
@@ -123,6 +123,7 @@ def test_import_registers_and_serves(imp: ImportServer, good: dict[str, bytes]) 
     assert [m.id for m in client.models.list().data] == ["tiny-llama", "bot"]
 
 
+@pytest.mark.slow
 def test_identical_import_twice_is_the_same_version(imp: ImportServer, good: dict[str, bytes]) -> None:
     _, key = imp.tenant("twice")
     uri = _put(imp, f"ok/{_unique()}", good)
@@ -134,6 +135,7 @@ def test_identical_import_twice_is_the_same_version(imp: ImportServer, good: dic
     assert (multipart.status_code, multipart.json()["version"]) == (200, 1), multipart.text
 
 
+@pytest.mark.slow
 def test_not_allowlisted_is_403_and_names_the_setting(imp: ImportServer, good: dict[str, bytes]) -> None:
     _, key = imp.tenant("deny")
     source = imp.source["bucket"]
@@ -143,6 +145,7 @@ def test_not_allowlisted_is_403_and_names_the_setting(imp: ImportServer, good: d
         assert source not in error["message"]
 
 
+@pytest.mark.slow
 def test_registry_is_never_importable(imp: ImportServer, good: dict[str, bytes]) -> None:
     """The registry's bucket is allowlisted, yet nothing under its registry prefix is read."""
     _, key = imp.tenant("reg")
@@ -155,6 +158,7 @@ def test_registry_is_never_importable(imp: ImportServer, good: dict[str, bytes])
     assert _import(imp, key, "x", _put(imp, "shelf/a", good, bucket=bucket)).status_code == 201
 
 
+@pytest.mark.slow
 def test_oversized_objects_are_413_before_download(imp: ImportServer, good: dict[str, bytes]) -> None:
     _, key = imp.tenant("big")
     big_weights = {**good, WEIGHTS: b"\0" * (MAX_UPLOAD_BYTES + 1)}
@@ -166,6 +170,7 @@ def test_oversized_objects_are_413_before_download(imp: ImportServer, good: dict
     assert r.status_code == 404
 
 
+@pytest.mark.slow
 def test_broken_or_missing_objects_are_400_with_the_cause(
     imp: ImportServer, good: dict[str, bytes], tmp_path: Path
 ) -> None:
@@ -184,6 +189,7 @@ def test_broken_or_missing_objects_are_400_with_the_cause(
     assert not any(k.endswith(hashlib.sha256(other[WEIGHTS]).hexdigest()) for k in stored)
 
 
+@pytest.mark.slow
 def test_admin_imports_for_a_tenant(imp: ImportServer, good: dict[str, bytes]) -> None:
     tenant_id, key = imp.tenant("adm")
     uri = _put(imp, f"ok/{_unique()}", good)
@@ -207,6 +213,7 @@ def test_admin_imports_for_a_tenant(imp: ImportServer, good: dict[str, bytes]) -
     assert denied.status_code == 403
 
 
+@pytest.mark.slow
 def test_file_source_where_allowed_and_links_out_refused(imp: ImportServer, good: dict[str, bytes]) -> None:
     _, key = imp.tenant("local")
     directory = imp.local / _unique()
@@ -278,6 +285,7 @@ def test_oversized_weights_are_refused_before_any_download(tmp_path: Path) -> No
     assert refused.value.status == 413 and not list(dest.iterdir())
 
 
+@pytest.mark.slow
 def test_openapi_lists_the_import_statuses(imp: ImportServer) -> None:
     paths = httpx.get(f"{imp.base_url}/openapi.json").json()["paths"]
     for path in ("/v1/adapters/import", "/admin/api/tenants/{tenant_id}/adapters/import"):
@@ -285,6 +293,7 @@ def test_openapi_lists_the_import_statuses(imp: ImportServer) -> None:
         assert {"201", "400", "403", "413", "503"} <= statuses, (path, statuses)
 
 
+@pytest.mark.slow
 def test_quotas_and_the_base_name_apply_as_for_uploads(imp: ImportServer, good: dict[str, bytes]) -> None:
     tenant_id, key = imp.tenant("quota")
     uri = _put(imp, f"ok/{_unique()}", good)

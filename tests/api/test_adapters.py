@@ -17,9 +17,11 @@ import httpx
 import openai
 import pytest
 
-from tests.adapters.helpers import edit_tensors
-from tests.api.conftest import MAX_LORA_RANK, MAX_UPLOAD_BYTES, Server
-from tests.api.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
+from tests.harness.peft_adapters import edit_tensors
+from tests.harness.servers import MAX_LORA_RANK, MAX_UPLOAD_BYTES, Server, bearer
+from tests.harness.uploads import CONFIG, WEIGHTS, files_of, peft_adapter, peft_adapter_on, upload
+
+pytestmark = pytest.mark.slow  # real servers
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +32,6 @@ def good_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def key(server: Server) -> str:
     return server.tenant("ad")[1]
-
-
-def _auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def _other_weights(weights: bytes) -> bytes:
@@ -59,10 +57,10 @@ def test_upload_returns_the_ready_version(server: Server, key: str, good_dir: Pa
     assert (same.status_code, same.json()["version"]) == (200, 1), same.text
     second = upload(server, key, "bot", {**files, WEIGHTS: _other_weights(files[WEIGHTS])}).json()
     assert second["version"] == 2  # versions are per name and never reused
-    listing = httpx.get(f"{server.base_url}/v1/adapters", headers=_auth(key)).json()
+    listing = httpx.get(f"{server.base_url}/v1/adapters", headers=bearer(key)).json()
     assert listing["object"] == "list"
     assert [(a["name"], [v["version"] for v in a["versions"]]) for a in listing["data"]] == [("bot", [1, 2])]
-    detail = httpx.get(f"{server.base_url}/v1/adapters/bot", headers=_auth(key)).json()
+    detail = httpx.get(f"{server.base_url}/v1/adapters/bot", headers=bearer(key)).json()
     assert detail["latest_version"] == 2 and all(
         v["residency"] in ("gpu", "cpu", "disk", "store") for v in detail["versions"]
     )
@@ -88,7 +86,7 @@ def test_adapter_is_served_by_name_and_version(server: Server, good_dir: Path) -
     with pytest.raises(openai.NotFoundError):
         greedy("helper@2")
     # Deleting stops serving at once.
-    r = httpx.delete(f"{server.base_url}/v1/adapters/helper", headers=_auth(key))
+    r = httpx.delete(f"{server.base_url}/v1/adapters/helper", headers=bearer(key))
     assert r.status_code == 200 and r.json()["versions"] == [1]
     with pytest.raises(openai.NotFoundError) as info:
         greedy("helper")
@@ -100,9 +98,9 @@ def test_delete_one_version(server: Server, key: str, good_dir: Path) -> None:
     files = files_of(good_dir)
     for weights in (files[WEIGHTS], _other_weights(files[WEIGHTS])):
         assert upload(server, key, "multi", {**files, WEIGHTS: weights}).status_code == 201
-    r = httpx.delete(f"{server.base_url}/v1/adapters/multi", params={"version": 1}, headers=_auth(key))
+    r = httpx.delete(f"{server.base_url}/v1/adapters/multi", params={"version": 1}, headers=bearer(key))
     assert r.status_code == 200 and r.json()["versions"] == [1]
-    versions = httpx.get(f"{server.base_url}/v1/adapters/multi", headers=_auth(key)).json()["versions"]
+    versions = httpx.get(f"{server.base_url}/v1/adapters/multi", headers=bearer(key)).json()["versions"]
     assert [v["version"] for v in versions] == [2]
 
 
@@ -144,9 +142,11 @@ def test_refused_uploads_store_nothing(
         assert r.status_code == status, (case, r.text)
         error = r.json()["error"]
         assert needle.lower() in error["message"].lower(), (case, error)
-        assert httpx.get(f"{server.base_url}/v1/adapters/{name}", headers=_auth(key)).status_code == 404, case
+        assert httpx.get(f"{server.base_url}/v1/adapters/{name}", headers=bearer(key)).status_code == 404, (
+            case
+        )
     assert server.store_keys() == before
-    listing = httpx.get(f"{server.base_url}/v1/adapters", headers=_auth(key)).json()["data"]
+    listing = httpx.get(f"{server.base_url}/v1/adapters", headers=bearer(key)).json()["data"]
     assert not {a["name"] for a in listing} & {"p", "h", "r", "n", "d", "c", "t", "o"}
 
 
@@ -163,7 +163,7 @@ def test_oversize_body_without_content_length_is_cut_off(server: Server, key: st
             yield b"\0" * 4096
         yield f"\r\n--{boundary}--\r\n".encode()
 
-    headers = {**_auth(key), "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    headers = {**bearer(key), "Content-Type": f"multipart/form-data; boundary={boundary}"}
     r = httpx.post(f"{server.base_url}/v1/adapters", headers=headers, content=body(), timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
 
@@ -173,9 +173,9 @@ def test_bad_form_parts_are_named(server: Server, key: str, good_dir: Path) -> N
     r = upload(server, key, "x", {**files, "notes.txt": b"hello"})
     assert r.status_code == 400 and "notes.txt" in r.json()["error"]["message"]
     r = httpx.post(
-        f"{server.base_url}/v1/adapters", headers=_auth(key), files=[("files", (CONFIG, files[CONFIG]))]
+        f"{server.base_url}/v1/adapters", headers=bearer(key), files=[("files", (CONFIG, files[CONFIG]))]
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "name"
-    r = httpx.post(f"{server.base_url}/v1/adapters", headers=_auth(key), json={"name": "x"})
+    r = httpx.post(f"{server.base_url}/v1/adapters", headers=bearer(key), json={"name": "x"})
     assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
     assert json.loads(files[CONFIG])["peft_type"] == "LORA"  # the good files themselves were fine

@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.api.conftest import Server
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import Server
+from tests.harness.uploads import files_of, peft_adapter, upload
+
+pytestmark = pytest.mark.slow  # real servers
 
 
 def _models(server: Server, key: str) -> httpx.Response:

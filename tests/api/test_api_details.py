@@ -1,4 +1,4 @@
-"""Issue 15 items 3 and 4 against a real server (SQLite + local store), with the official `openai`
+"""API details against a real server (SQLite + local store), with the official `openai`
 client and httpx: partial-UTF-8 logprobs, `max_completion_tokens`, `user` in the usage record,
 `/tokenize` and `/detokenize`, adapter names vs the base model, identical re-uploads, and the
 series vLLM's Grafana dashboard reads on `/metrics`."""
@@ -6,7 +6,6 @@ series vLLM's Grafana dashboard reads on `/metrics`."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -16,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.inference.formatting import token_bytes
 from base_engine.model.tokenizer import load_tokenizer
-from tests.api.conftest import Server
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import Server
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.wait import wait_for
 
 BASE = "tiny-llama"
 SERIES_FILE = Path(__file__).with_name("vllm_grafana_series.txt")
@@ -39,6 +39,7 @@ def _post(server: Server, key: str, path: str, body: dict) -> httpx.Response:
     )
 
 
+@pytest.mark.slow
 @SQLITE
 def test_partial_utf8_logprobs_carry_real_bytes(server: Server, tenant, tiny_llama_dir: Path) -> None:
     client = _client(server, tenant[1])
@@ -74,6 +75,7 @@ def test_partial_utf8_logprobs_carry_real_bytes(server: Server, tenant, tiny_lla
             assert token_bytes(tokenizer, ids[token], True).decode() == token
 
 
+@pytest.mark.slow
 @SQLITE
 def test_max_completion_tokens_wins_over_max_tokens(server: Server, tenant) -> None:
     client = _client(server, tenant[1])
@@ -94,24 +96,26 @@ def test_max_completion_tokens_wins_over_max_tokens(server: Server, tenant) -> N
     assert chat.usage.completion_tokens == 4
 
 
+@pytest.mark.slow
 @SQLITE
 def test_user_is_recorded_with_the_usage_record(server: Server, tenant) -> None:
     tenant_id, key = tenant
     chat = _client(server, key).chat.completions.create(
         model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="end-user-42"
     )
-    deadline = time.monotonic() + 30
-    records: dict[str, dict] = {}
-    while chat.id not in records and time.monotonic() < deadline:
+
+    def exported() -> dict[str, dict]:
         r = server.admin("GET", "/usage/export", params={"tenant_id": tenant_id, "limit": 100})
         assert r.status_code == 200, r.text
-        records = {e["id"]: e["data"] for e in map(json.loads, r.text.splitlines())}
-        time.sleep(0.2)
+        return {e["id"]: e["data"] for e in map(json.loads, r.text.splitlines())}
+
+    records = wait_for(lambda: (found := exported()) and chat.id in found and found, 30, interval=0.2)
     assert records[chat.id]["user"] == "end-user-42"
     too_long = _post(server, key, "/v1/completions", {"model": BASE, "prompt": "x", "user": "u" * 300})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "user", too_long.text
 
 
+@pytest.mark.slow
 @SQLITE
 def test_tokenize_and_detokenize_as_vllm(
     server: Server, tenant, tiny_llama_dir: Path, tmp_path: Path
@@ -169,6 +173,7 @@ def test_message_name_reaches_the_chat_template(tiny_llama_dir: Path) -> None:
     )
 
 
+@pytest.mark.slow
 @SQLITE
 def test_adapter_named_after_the_base_model_is_refused(server: Server, tenant, tmp_path: Path) -> None:
     _, key = tenant
@@ -179,6 +184,7 @@ def test_adapter_named_after_the_base_model_is_refused(server: Server, tenant, t
     assert ids.count(BASE) == 1
 
 
+@pytest.mark.slow
 @SQLITE
 def test_identical_reupload_returns_the_existing_version(server: Server, tenant, tmp_path: Path) -> None:
     _, key = tenant
@@ -195,6 +201,7 @@ def test_identical_reupload_returns_the_existing_version(server: Server, tenant,
     assert back.status_code == 201 and back.json()["version"] == 3
 
 
+@pytest.mark.slow
 @SQLITE
 def test_every_series_of_vllms_grafana_dashboard_exists(server: Server, tenant) -> None:
     client = _client(server, tenant[1])

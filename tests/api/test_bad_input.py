@@ -1,4 +1,4 @@
-"""Issue 13, "wrong answers to bad input", in process on the real app: hostile values get a 4xx in
+"""Wrong answers to bad input, in process on the real app: hostile values get a 4xx in
 OpenAI's error shape (never a 500, never FastAPI's 422), /openapi.json lists the statuses routes
 really return, and error bodies carry no server path, URL or internal id.
 
@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from api.state import AppState
 from base_engine.model.token_bound import max_chars_per_token
 from tests.api import console_helpers as ch
-from tests.api.uploads import CONFIG, WEIGHTS, files_of, peft_adapter
+from tests.harness.uploads import CONFIG, WEIGHTS, files_of, peft_adapter
 
 BIG = 2**63  # one past the largest BIGINT: every integer field must refuse it with a 400
 BASE = "tiny-llama"

@@ -17,8 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import Server, launch_server
+from tests.harness.uploads import files_of, peft_adapter, upload
+
+pytestmark = pytest.mark.slow  # real servers
 
 LIMIT = 4096
 TIMEOUT_S = 2.0
@@ -31,12 +33,8 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     args = ["--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--max-model-len", "256"]
     args += ["--max-request-body-bytes", str(LIMIT), "--request-body-timeout-s", str(TIMEOUT_S)]
     args += ["--request-header-timeout-s", str(HEADER_TIMEOUT_S)]
-    env = {"LORASERVE_ADMIN_KEY": ADMIN_KEY}
-    process = ServerProcess(args, tmp_path_factory.mktemp("body") / "data", env=env).start()
-    try:
-        yield Server(process, ADMIN_KEY, "sqlite-local")
-    finally:
-        process.stop()
+    with launch_server(args, tmp_path_factory.mktemp("body") / "data", check_exit=False) as started:
+        yield started
 
 
 def _rss_kb(server: Server) -> int:

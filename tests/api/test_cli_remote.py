@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from api.cli.main import app
-from tests.api.conftest import Server
-from tests.api.uploads import peft_adapter
+from tests.harness.servers import Server
+from tests.harness.uploads import peft_adapter
 
 SQLITE = pytest.mark.parametrize("server", ["sqlite-local"], indirect=True)
 
@@ -33,6 +33,7 @@ def run(server: Server, *args: str, key: str | None = None, admin: bool = False)
     return result.exit_code, result.stdout, result.stderr
 
 
+@pytest.mark.slow
 @SQLITE
 def test_tenant_and_key_lifecycle(server: Server) -> None:
     tenant_id, _ = server.tenant("cli")
@@ -61,6 +62,7 @@ def test_tenant_and_key_lifecycle(server: Server) -> None:
     assert tenant_id not in {t["id"] for t in json.loads(out)["data"] if t["status"] != "deleted"}
 
 
+@pytest.mark.slow
 @SQLITE
 def test_adapter_push_list_delete_over_http(server: Server, adapter_dir: Path) -> None:
     _, key = server.tenant("clia")
@@ -80,6 +82,7 @@ def test_adapter_push_list_delete_over_http(server: Server, adapter_dir: Path) -
     assert json.loads(out)["data"] == []
 
 
+@pytest.mark.slow
 @SQLITE
 def test_errors_are_clear(server: Server, adapter_dir: Path, tmp_path: Path) -> None:
     code, _, err = run(server, "adapter", "list")

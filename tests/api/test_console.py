@@ -1,7 +1,7 @@
 """The admin console in a real browser: Debian's Chromium through Playwright against `loraserve serve`.
 
 One Chromium per module, a fresh context (cookie jar) per test, the shared SQLite + LocalStore
-server process of tests/api/conftest.py. Oracles: the admin and tenant HTTP APIs (what exists, what
+server process of tests/harness/shared_server.py. Oracles: the admin and tenant HTTP APIs (what exists, what
 a key can do), the usage API for the CSV totals, and the engine's own statistics. When a test
 fails, each console page is saved as a PNG in the test's temporary directory.
 """
@@ -13,7 +13,7 @@ import csv
 import io
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,9 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from tests.api.conftest import Server
 from tests.api.console_helpers import peft_adapter
+from tests.harness.servers import Server
+from tests.harness.wait import wait_for
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = "/usr/bin/chromium"
@@ -34,6 +35,7 @@ BASE = "tiny-llama"
 
 # One backend is enough for the browser: the pages read the registry through the same functions.
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.parametrize("server", ["sqlite-local"], indirect=True),
     pytest.mark.skipif(
         not Path(CHROMIUM).exists(), reason="needs Debian's chromium (scripts/system_deps.sh)"
@@ -108,13 +110,6 @@ POST_TENANT_JS = """async ([name, token]) => (await fetch('/admin/tenants', {
 })).status"""
 
 
-def wait_until(condition: Callable[[], object], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.2)
-
-
 def test_sign_in_refuses_wrong_and_tenant_keys_then_a_new_tenants_key_is_shown_once(
     page: Any, server: Server, tmp_path: Path
 ) -> None:
@@ -167,10 +162,10 @@ def test_uploaded_adapter_is_listed_with_its_residency(
             page.reload()
             return row.locator("td.residency .badge").first.text_content() == "gpu"
 
-        wait_until(listed_on_gpu)
+        wait_for(listed_on_gpu, 30.0, interval=0.2)
         row.locator("button", has_text="Pin").click()
         assert "helper@1 pinned" in page.text_content(".flash")
-        wait_until(lambda: page.reload() or row.locator(".badge.pinned").count() == 1)
+        wait_for(lambda: page.reload() or row.locator(".badge.pinned").count() == 1, 30.0, interval=0.2)
         row.locator("button", has_text="Unpin").click()
         assert "helper@1 unpinned" in page.text_content(".flash")
 

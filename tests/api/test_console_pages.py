@@ -12,9 +12,7 @@ import hashlib
 import io
 import json
 import re
-import time
 import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from tests.api.console_helpers import (
     peft_adapter,
     tenant_key_works,
 )
+from tests.harness.wait import wait_for
 
 
 @pytest.fixture
@@ -122,13 +121,6 @@ def upload(app: FastAPI, key: str, name: str, adapter_dir: Path) -> dict[str, An
     return r.json()
 
 
-def wait_for(condition: Callable[[], object], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def adapter_row(page: str, adapter_id: str) -> str:
     match = re.search(rf'<tr data-adapter="{re.escape(adapter_id)}".*?</tr>', page, re.S)
     assert match, f"{adapter_id} not listed"
@@ -160,10 +152,11 @@ def test_adapters_page_lists_every_tenants_adapters_with_residency_and_pins(
     wait_for(
         lambda: re.search(
             r"tier-gpu.*badge pinned", adapter_row(client.get("/admin/adapters").text, "helper@1"), re.S
-        )
+        ),
+        20.0,
     )
     client.post(f"/admin/adapters/{tenant_id}/helper/1/unpin", data={"csrf_token": csrf})
-    wait_for(lambda: "badge pinned" not in adapter_row(client.get("/admin/adapters").text, "helper@1"))
+    wait_for(lambda: "badge pinned" not in adapter_row(client.get("/admin/adapters").text, "helper@1"), 20.0)
 
     r = client.post(f"/admin/adapters/{tenant_id}/helper/1/delete", data={"csrf_token": csrf})
     page = client.get(r.headers["location"]).text

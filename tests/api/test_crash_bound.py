@@ -1,4 +1,4 @@
-"""Issue 13, "losing less on a crash": a kill -9 loses at most ~1 s of streamed tokens per request (the
+"""Losing less on a crash: a kill -9 loses at most ~1 s of streamed tokens per request (the
 journal records each stream's progress), the journal's fsync never holds the lock the request path
 takes, and a stream cut by SIGTERM still gets its usage chunk before `[DONE]`.
 
@@ -28,8 +28,8 @@ from sqlalchemy.orm import Session
 from api.metering.meter import UsageMeter
 from registry.db import make_engine, session_factory
 from registry.usage import UsageRecord, export_usage
-from tests.api.conftest import ADMIN_KEY, ServerProcess, main_server_args
-from tests.api.test_metering import ROOT, begin, record, sqlite_session, stored  # noqa: F401 - fixture
+from tests.harness.servers import ADMIN_KEY, ServerProcess, bearer, main_server_args
+from tests.harness.usage import REPO_ROOT, begin, record, stored
 
 BASE = "tiny-llama"
 LONG_LEN = 2048  # the tiny Llama's context: long enough that a stream is still running when it is cut
@@ -37,7 +37,7 @@ BOUND_S = 1.0  # the documented crash bound (api/metering/meter.py)
 
 
 def test_fsync_never_holds_the_lock_of_the_request_path(
-    sqlite_session: Callable[[], Session],  # noqa: F811 - the fixture
+    sqlite_session: Callable[[], Session],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -82,7 +82,7 @@ _CRASHING_CHILD = textwrap.dedent(
     from pathlib import Path
     from api.metering.meter import UsageMeter
     from registry.db import make_engine, session_factory
-    from tests.api.test_metering import begin, record
+    from tests.harness.usage import begin, record
 
     meter = UsageMeter(session_factory(make_engine(sys.argv[1])), journal_path=Path(sys.argv[2]),
                        flush_interval_s=3600, progress_interval_s=0.05)
@@ -102,19 +102,20 @@ _CRASHING_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_recovery_bills_the_journaled_progress(
-    sqlite_session: Callable[[], Session],  # noqa: F811 - the fixture
+    sqlite_session: Callable[[], Session],
     tmp_path: Path,
 ) -> None:
     journal = tmp_path / "usage.journal"
     db_url = f"sqlite:///{tmp_path / 'usage.db'}"
     child = subprocess.run(
         [sys.executable, "-c", _CRASHING_CHILD, db_url, str(journal)],
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert UsageMeter(sqlite_session, journal_path=journal).recover() == 3
@@ -130,7 +131,7 @@ def test_recovery_bills_the_journaled_progress(
 
 
 def test_a_crash_during_compaction_leaves_both_journals_and_loses_nothing(
-    sqlite_session: Callable[[], Session],  # noqa: F811 - the fixture
+    sqlite_session: Callable[[], Session],
     tmp_path: Path,
 ) -> None:
     from api.metering.journal import InFlightRequest, Progress, begin_line, finish_line, progress_line
@@ -159,10 +160,6 @@ def test_a_crash_during_compaction_leaves_both_journals_and_loses_nothing(
 # ---- real servers -------------------------------------------------------------------------------
 
 
-def _admin() -> dict[str, str]:
-    return {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-
 def _records(data_dir: Path, tenant_id: str) -> list[UsageRecord]:
     engine = make_engine(f"sqlite:///{data_dir / 'loraserve.db'}")
     try:
@@ -178,7 +175,7 @@ def _server(tmp_path: Path, tiny_llama_dir: Path, *extra: str, **env: str) -> Se
 
 
 def _tenant(process: ServerProcess) -> dict[str, Any]:
-    r = httpx.post(f"{process.base_url}/admin/api/tenants", json={"name": "crash"}, headers=_admin())
+    r = httpx.post(f"{process.base_url}/admin/api/tenants", json={"name": "crash"}, headers=bearer(ADMIN_KEY))
     assert r.status_code == 201, r.text
     return r.json()
 
@@ -190,6 +187,7 @@ def _events(r: httpx.Response) -> Any:
             yield data if data == "[DONE]" else json.loads(data)
 
 
+@pytest.mark.slow
 def test_kill_9_mid_stream_bills_what_was_streamed(tiny_llama_dir: Path, tmp_path: Path) -> None:
     # Journal only (nothing reaches the database before the crash): the restart replays it.
     process = _server(tmp_path, tiny_llama_dir, LORASERVE_USAGE_FLUSH_INTERVAL_S="3600").start()
@@ -225,6 +223,7 @@ def test_kill_9_mid_stream_bills_what_was_streamed(tiny_llama_dir: Path, tmp_pat
     )
 
 
+@pytest.mark.slow
 def test_sigterm_cut_stream_gets_its_usage_chunk_before_done(tiny_llama_dir: Path, tmp_path: Path) -> None:
     process = _server(tmp_path, tiny_llama_dir, "--drain-timeout-s", "0.3").start()
     tenant = _tenant(process)

@@ -1,4 +1,4 @@
-"""Issue 13, denial of service: uploads amplifying memory, against a real server process. Three
+"""Denial of service: uploads amplifying memory, against a real server process. Three
 concurrent uploads of the largest legal adapter must grow the server's RSS by at most 100 MB; the
 measurements are printed (`-s` shows them). The other attacks are in test_denial_of_service.py.
 """
@@ -19,10 +19,11 @@ from safetensors.torch import save_file
 
 from adapters.limits import max_adapter_weights_bytes
 from adapters.types import LORA_MODULES
-from tests.adapters.helpers import tiny_shapes
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess
-from tests.api.dos_helpers import auth
-from tests.api.uploads import CONFIG, WEIGHTS
+from tests.harness.peft_adapters import tiny_shapes
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer
+from tests.harness.uploads import CONFIG, WEIGHTS
+
+pytestmark = pytest.mark.slow  # real servers
 
 BIG = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4}
 BIG |= {"intermediate_size": 1408, "vocab_size": 512}
@@ -63,7 +64,7 @@ def _post_files(base: str, key: str, name: str, directory: Path) -> httpx.Respon
     with open(directory / CONFIG, "rb") as config, open(directory / WEIGHTS, "rb") as weights:
         return httpx.post(
             f"{base}/v1/adapters",
-            headers=auth(key),
+            headers=bearer(key),
             data={"name": name},
             files=[("files", (CONFIG, config)), ("files", (WEIGHTS, weights))],
             timeout=300,

@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 
 from api.http.header_timeout import H11HeaderDeadline, protocol_class
-from tests.api.conftest import free_port
+from tests.harness.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1.0
@@ -162,6 +162,7 @@ def test_deadline_starts_again_after_each_response(port: int) -> None:
         _assert_408(_read_until_closed(sock))
 
 
+@pytest.mark.slow
 def test_the_open_files_limit_is_raised_to_the_hard_limit() -> None:
     code = (
         "import resource\n"

@@ -6,14 +6,16 @@ adapter name are compared with those for a name nobody has, with the name substi
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.api.conftest import Server
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import Server
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.wait import wait_for
+
+pytestmark = pytest.mark.slow  # real servers
 
 SECRET, UNKNOWN = "secret-bot", "nobody-has"
 
@@ -69,13 +71,13 @@ def test_tenant_b_cannot_reach_tenant_a_adapter(server: Server, tmp_path: Path) 
     )
     assert r.status_code == 200, r.text
     assert server.admin("POST", f"/tenants/{tenant_a}/adapters/{SECRET}/pin").status_code == 200
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        versions = httpx.get(f"{server.base_url}/v1/adapters/{SECRET}", headers=auth_a).json()["versions"]
-        if versions[0]["residency"] == "gpu":
-            break
-        time.sleep(0.2)
-    assert versions[0]["residency"] == "gpu"
+
+    def residency() -> str:
+        return httpx.get(f"{server.base_url}/v1/adapters/{SECRET}", headers=auth_a).json()["versions"][0][
+            "residency"
+        ]
+
+    wait_for(lambda: residency() == "gpu", 30, interval=0.2, what="A's pinned adapter in a GPU slot")
     _check_b_is_blind(server, key_b)
     # B's delete attempts changed nothing for A.
     assert _listings(server, key_a) == (["tiny-llama", SECRET], [SECRET])

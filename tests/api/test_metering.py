@@ -13,78 +13,17 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session
 
 from api.metering.meter import UsageMeter
-from migrations.api import upgrade
 from registry.db import make_engine, session_factory
-from registry.usage import UsageRecord, export_usage
-
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def sqlite_session(tmp_path: Path) -> Iterator[Callable[[], Session]]:
-    url = f"sqlite:///{tmp_path / 'usage.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    try:
-        yield session_factory(engine)
-    finally:
-        engine.dispose()
-
-
-def record(i: int, **changes: object) -> UsageRecord:
-    fields: dict[str, object] = {
-        "request_id": f"req-{i}",
-        "tenant_id": "ta" if i % 2 else "tb",
-        "key_prefix": "kkkkkkkkkkkk",
-        "adapter_name": "bot" if i % 3 else None,
-        "adapter_version": 2 if i % 3 else None,
-        "prompt_tokens": 10 + i,
-        "cached_prompt_tokens": i % 5,
-        "completion_tokens": 3 * i,
-        "finish_reason": "stop",
-        "queue_time_s": 0.01 * i,
-        "ttft_s": 0.1,
-        "total_time_s": 1.0 + i,
-        "created_at": T0 + timedelta(seconds=i),
-        "finished_at": T0 + timedelta(seconds=i + 1),
-    }
-    fields.update(changes)
-    return UsageRecord(**fields)  # type: ignore[arg-type]
-
-
-def stored(make_session: Callable[[], Session]) -> dict[str, UsageRecord]:
-    with make_session() as session:
-        rows = export_usage(session, limit=10_000).records
-    assert len({r.request_id for r in rows}) == len(rows)
-    return {r.request_id: r for r in rows}
-
-
-def begin(meter: UsageMeter, r: UsageRecord) -> None:
-    meter.begin(
-        r.request_id,
-        tenant_id=r.tenant_id,
-        key_prefix=r.key_prefix,
-        prompt_tokens=r.prompt_tokens,
-        adapter_name=r.adapter_name,
-        adapter_version=r.adapter_version,
-        created_at=r.created_at,
-    )
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
+from registry.usage import UsageRecord
+from tests.harness.usage import REPO_ROOT, begin, record, stored
+from tests.harness.wait import wait_for
 
 
 def test_flush_writes_each_request_once(make_session: Callable[[], Session], tmp_path: Path) -> None:
@@ -126,7 +65,7 @@ def test_full_batch_is_written_in_the_background_and_stop_flushes_the_rest(
     for i in range(4):
         meter.finish(record(i))
     # The interval is an hour: only a full batch can have woken the flusher.
-    wait_for(lambda: len(stored(make_session)) == 4)
+    wait_for(lambda: len(stored(make_session)) == 4, 10.0, interval=0.02)
     for i in range(4, 6):
         meter.finish(record(i))
     time.sleep(0.2)
@@ -152,7 +91,7 @@ def test_interval_flush_and_concurrent_finishers(
         t.start()
     for t in threads:
         t.join()
-    wait_for(lambda: len(stored(sqlite_session)) == 200)
+    wait_for(lambda: len(stored(sqlite_session)) == 200, 10.0, interval=0.02)
     meter.stop()
     assert len(stored(sqlite_session)) == 200
 
@@ -163,7 +102,7 @@ _CRASHING_CHILD = textwrap.dedent(
     from pathlib import Path
     from api.metering.meter import UsageMeter
     from registry.db import make_engine, session_factory
-    from tests.api.test_metering import begin, record
+    from tests.harness.usage import begin, record
 
     meter = UsageMeter(session_factory(make_engine(sys.argv[1])), journal_path=Path(sys.argv[2]),
                        flush_interval_s=3600)
@@ -186,11 +125,11 @@ def test_recover_after_a_crash_bills_each_request_once(
     journal = tmp_path / "usage.journal"
     child = subprocess.run(
         [sys.executable, "-c", _CRASHING_CHILD, db_url, str(journal)],
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert set(stored(make_session)) == {"req-0"}

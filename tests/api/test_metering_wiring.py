@@ -27,7 +27,7 @@ from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestMetrics, RequestOutput
 from base_engine.sampling_params import SamplingParams
 from registry.usage import UsageRecord, export_usage
-from tests.api.conftest import new_caller
+from tests.harness.callers import new_caller
 
 
 @pytest.fixture(scope="module")

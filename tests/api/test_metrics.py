@@ -14,6 +14,8 @@ from api.metrics.prometheus import Metrics
 from api.metrics.series import one_two_five_buckets
 from api.metrics.window import RecentStats
 from base_engine.outputs import AdapterCacheStats, AdapterRequests, EngineStats, RequestMetrics, RequestOutput
+from tests.harness.clock import FakeClock
+from tests.harness.metric_names import REQUIRED_METRIC_NAMES
 
 # From ../shared/reference/platform.md section 2.1 (vLLM V1 loggers.py), not from our code.
 VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10,
@@ -22,25 +24,6 @@ VLLM_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7
                     40, 80]  # fmt: skip
 VLLM_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960,
                         1920, 7680]  # fmt: skip
-ISSUE_NAMES = [
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
-    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds", "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens",
-    "vllm:generation_tokens", "vllm:lora_requests_info",
-    "loraserve_adapter_cache_adapters", "loraserve_adapter_cache_bytes", "loraserve_adapter_loads",
-    "loraserve_adapter_load_seconds", "loraserve_adapter_cache_hits", "loraserve_adapter_cache_misses",
-    "loraserve_adapter_cache_evictions", "loraserve_tenant_requests", "loraserve_tenant_prompt_tokens",
-    "loraserve_tenant_generation_tokens",
-]  # fmt: skip
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def output(
@@ -87,7 +70,7 @@ def test_names_and_buckets_follow_vllm() -> None:
     metrics.update_engine(stats())
     payload, _ = metrics.render(include_tenants=True)
     families = {f.name: f for f in text_string_to_metric_families(payload.decode())}
-    for name in ISSUE_NAMES:
+    for name in REQUIRED_METRIC_NAMES:
         assert name in families, name
     assert families["vllm:num_preemptions"].type == "counter"
     assert families["vllm:kv_cache_usage_perc"].type == "gauge"

@@ -13,7 +13,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.api.conftest import MAX_MODEL_LEN, Server
+from tests.harness.servers import MAX_MODEL_LEN, Server
+
+pytestmark = pytest.mark.slow  # real servers
 
 BASE = "tiny-llama"
 PROMPT = "The quick brown fox"

@@ -1,6 +1,7 @@
-"""Issue 13: a dependency that is down is a retryable 503, never a 500, and says nothing about itself.
+"""A dependency that is down is a retryable 503, never a 500, and says nothing about itself.
 
-Real servers whose PostgreSQL or S3 traffic goes through a TCP proxy the test cuts (tests/api/faults.py):
+Real servers whose PostgreSQL or S3 traffic goes through a TCP proxy the test cuts
+(tests/harness/tcp_proxy.py):
 during a PostgreSQL outage every request that needs the database is 503 + Retry-After and /ready is
 503 while /health and /metrics still answer; during an S3 outage a request for an adapter not yet
 loaded is 503 `adapter_unavailable` + Retry-After (streams too: before the 200), uploads are 503;
@@ -11,9 +12,7 @@ or tenant id.
 from __future__ import annotations
 
 import re
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +24,14 @@ from registry.disk_cache import DiskTier
 from registry.errors import StoreUnavailable
 from registry.store import LocalStore, put_content
 from registry.types import make_source
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, _postgres_database, _s3_env, main_server_args
-from tests.api.faults import TcpProxy
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.postgres import new_database
+from tests.harness.s3 import s3_backend
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
+from tests.harness.tcp_proxy import TcpProxy
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.wait import wait_for
 
 BASE = "tiny-llama"
-
-
-def _admin() -> dict[str, str]:
-    return {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-
-def _auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
-        time.sleep(0.2)
 
 
 def assert_unavailable(r: httpx.Response, codes: set[str], secrets: list[str]) -> None:
@@ -56,10 +43,11 @@ def assert_unavailable(r: httpx.Response, codes: set[str], secrets: list[str]) -
     assert not leaked, (leaked, r.text)
 
 
+@pytest.mark.slow
 def test_postgres_outage_is_503_with_retry_after_then_recovers(
     tiny_llama_dir: Path, tmp_path: Path, postgres_url: str
 ) -> None:
-    direct = _postgres_database(postgres_url)
+    direct = new_database(postgres_url)
     port = int(re.search(r"@127\.0\.0\.1:(\d+)/", direct).group(1))  # type: ignore[union-attr]
     with TcpProxy("127.0.0.1", port) as proxy:
         proxied = direct.replace(f"127.0.0.1:{port}/", f"{proxy.address}/")
@@ -67,7 +55,9 @@ def test_postgres_outage_is_503_with_retry_after_then_recovers(
         process = ServerProcess(args, tmp_path / "data", env={"LORASERVE_ADMIN_KEY": ADMIN_KEY}).start()
         try:
             base = process.base_url
-            tenant = httpx.post(f"{base}/admin/api/tenants", json={"name": "pg"}, headers=_admin()).json()
+            tenant = httpx.post(
+                f"{base}/admin/api/tenants", json={"name": "pg"}, headers=bearer(ADMIN_KEY)
+            ).json()
             key, tenant_id = tenant["api_key"], tenant["id"]
             adapter = files_of(peft_adapter(tmp_path / "adapter"))
             server = Server(process, ADMIN_KEY, "postgres-proxied")
@@ -75,15 +65,15 @@ def test_postgres_outage_is_503_with_retry_after_then_recovers(
             chat = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             completion = {"model": BASE, "prompt": "hi", "max_tokens": 2}
             requests: list[tuple[str, str, dict[str, Any]]] = [
-                ("POST", "/v1/chat/completions", {"json": chat, "headers": _auth(key)}),
-                ("POST", "/v1/chat/completions", {"json": {**chat, "model": "bot"}, "headers": _auth(key)}),
-                ("POST", "/v1/completions", {"json": {**completion, "stream": True}, "headers": _auth(key)}),
-                ("GET", "/v1/models", {"headers": _auth(key)}),
-                ("GET", "/v1/adapters", {"headers": _auth(key)}),
-                ("GET", "/v1/usage", {"headers": _auth(key)}),
-                ("GET", "/admin/api/tenants", {"headers": _admin()}),
-                ("GET", f"/admin/api/tenants/{tenant_id}/keys", {"headers": _admin()}),
-                ("GET", "/admin/api/usage", {"headers": _admin()}),
+                ("POST", "/v1/chat/completions", {"json": chat, "headers": bearer(key)}),
+                ("POST", "/v1/chat/completions", {"json": {**chat, "model": "bot"}, "headers": bearer(key)}),
+                ("POST", "/v1/completions", {"json": {**completion, "stream": True}, "headers": bearer(key)}),
+                ("GET", "/v1/models", {"headers": bearer(key)}),
+                ("GET", "/v1/adapters", {"headers": bearer(key)}),
+                ("GET", "/v1/usage", {"headers": bearer(key)}),
+                ("GET", "/admin/api/tenants", {"headers": bearer(ADMIN_KEY)}),
+                ("GET", f"/admin/api/tenants/{tenant_id}/keys", {"headers": bearer(ADMIN_KEY)}),
+                ("GET", "/admin/api/usage", {"headers": bearer(ADMIN_KEY)}),
             ]
             for method, path, kwargs in requests:
                 assert httpx.request(method, base + path, timeout=60, **kwargs).status_code == 200, path
@@ -100,7 +90,12 @@ def test_postgres_outage_is_503_with_retry_after_then_recovers(
             assert httpx.get(f"{base}/metrics", timeout=30).status_code == 200
 
             proxy.restore()
-            wait_for(lambda: httpx.get(f"{base}/ready", timeout=30).status_code == 200, 60, "ready again")
+            wait_for(
+                lambda: httpx.get(f"{base}/ready", timeout=30).status_code == 200,
+                60,
+                interval=0.2,
+                what="ready again",
+            )
             for method, path, kwargs in requests:
                 assert httpx.request(method, base + path, timeout=60, **kwargs).status_code == 200, path
         finally:
@@ -108,10 +103,11 @@ def test_postgres_outage_is_503_with_retry_after_then_recovers(
             assert process.stop() == 0, process.log()[-3000:]
 
 
+@pytest.mark.slow
 def test_s3_outage_is_a_retryable_503_for_adapters_not_yet_loaded(
     tiny_llama_dir: Path, tmp_path: Path, s3_server: str
 ) -> None:
-    s3 = _s3_env(s3_server, tmp_path)
+    s3 = s3_backend(s3_server, tmp_path)
     host, port = s3_server.removeprefix("http://").split(":")
     with TcpProxy(host, int(port)) as proxy:
         env = {k: v for k, v in s3.items() if k.startswith("AWS_")} | {
@@ -122,36 +118,38 @@ def test_s3_outage_is_a_retryable_503_for_adapters_not_yet_loaded(
         process = ServerProcess(args, tmp_path / "data", env=env).start()
         try:
             base = process.base_url
-            tenant = httpx.post(f"{base}/admin/api/tenants", json={"name": "s3"}, headers=_admin()).json()
+            tenant = httpx.post(
+                f"{base}/admin/api/tenants", json={"name": "s3"}, headers=bearer(ADMIN_KEY)
+            ).json()
             key, tenant_id = tenant["api_key"], tenant["id"]
             server = Server(process, ADMIN_KEY, "s3-proxied")
             files = files_of(peft_adapter(tmp_path / "adapter", seed=3))
             assert upload(server, key, "cold", files).status_code == 201
-            cold = httpx.get(f"{base}/v1/adapters/cold", headers=_auth(key)).json()
+            cold = httpx.get(f"{base}/v1/adapters/cold", headers=bearer(key)).json()
             assert cold["versions"][0]["residency"] == "store"  # not yet loaded anywhere
 
             proxy.cut()
             secrets = [proxy.address, s3_server, s3["bucket"], tenant_id, "registry/", str(process.data_dir)]
             chat = {"model": "cold", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             url = f"{base}/v1/chat/completions"
-            r = httpx.post(url, json=chat, headers=_auth(key), timeout=120)
+            r = httpx.post(url, json=chat, headers=bearer(key), timeout=120)
             assert_unavailable(r, {"adapter_unavailable"}, secrets)
             assert r.headers["x-request-id"].startswith("chatcmpl-")
-            r = httpx.post(url, json={**chat, "stream": True}, headers=_auth(key), timeout=120)
+            r = httpx.post(url, json={**chat, "stream": True}, headers=bearer(key), timeout=120)
             assert_unavailable(r, {"adapter_unavailable"}, secrets)  # a 503, not an error after a 200
             other = files_of(peft_adapter(tmp_path / "other", seed=4))
             assert_unavailable(upload(server, key, "new", other), {"store_unavailable"}, secrets)
-            r = httpx.post(url, json={**chat, "model": BASE}, headers=_auth(key), timeout=120)
+            r = httpx.post(url, json={**chat, "model": BASE}, headers=bearer(key), timeout=120)
             assert r.status_code == 200  # the base model never needs the store
 
             proxy.restore()
 
             def served() -> bool:
-                r = httpx.post(url, json=chat, headers=_auth(key), timeout=120)
+                r = httpx.post(url, json=chat, headers=bearer(key), timeout=120)
                 assert r.status_code in (200, 503), r.text
                 return r.status_code == 200
 
-            wait_for(served, 60, "the adapter served once S3 is back")
+            wait_for(served, 60, what="the adapter served once S3 is back")
         finally:
             proxy.restore()
             assert process.stop() == 0, process.log()[-3000:]

@@ -1,4 +1,4 @@
-"""Issue 13: what the server shows and leaves behind about its tenants.
+"""What the server shows and leaves behind about its tenants.
 
 - `/metrics` (unauthenticated) names no tenant by default: no per-tenant series, and
   `vllm:lora_requests_info` names adapters as clients send them in `model` (vLLM's convention), never
@@ -27,9 +27,8 @@ from api.metrics.prometheus import Metrics
 from api.state import AppState
 from base_engine.outputs import AdapterCacheStats, AdapterRequests, EngineStats, RequestMetrics, RequestOutput
 from tests.api import console_helpers as ch
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, main_server_args
-from tests.api.test_metering import sqlite_session  # noqa: F401 - fixture
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
+from tests.harness.uploads import files_of, peft_adapter, upload
 
 TENANT_SERIES = "loraserve_tenant_"
 
@@ -116,7 +115,7 @@ def test_metrics_route_shows_tenants_only_with_a_key_or_opt_in(
 
 
 def test_journal_is_created_private(
-    sqlite_session: Any,  # noqa: F811 - the fixture
+    sqlite_session: Any,
     tmp_path: Path,
 ) -> None:
     old = os.umask(0o022)
@@ -133,6 +132,7 @@ def _modes(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
 
 
+@pytest.mark.slow
 def test_real_server_keeps_its_files_private_and_its_metrics_anonymous(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -147,7 +147,7 @@ def test_real_server_keeps_its_files_private_and_its_metrics_anonymous(
     try:
         base, server = process.base_url, Server(process, ADMIN_KEY, "sqlite-local")
         tenant_id, key = server.tenant("secretive")
-        name = httpx.get(f"{base}/admin/api/tenants/{tenant_id}", headers=_admin()).json()["name"]
+        name = httpx.get(f"{base}/admin/api/tenants/{tenant_id}", headers=bearer(ADMIN_KEY)).json()["name"]
         assert (
             upload(server, key, "support-bot", files_of(peft_adapter(tmp_path / "adapter"))).status_code
             == 201
@@ -174,10 +174,6 @@ def test_real_server_keeps_its_files_private_and_its_metrics_anonymous(
     assert modes["."] == 0o700 and modes["adapter-cache"] == 0o700
     too_open = {path: oct(mode) for path, mode in modes.items() if mode & 0o077}
     assert too_open == {}, too_open  # nothing under the data dir is readable by group or others
-
-
-def _admin() -> dict[str, str]:
-    return {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def _lora_info_while_running(base: str) -> dict[str, str]:

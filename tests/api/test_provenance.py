@@ -1,4 +1,4 @@
-"""Provenance on every answer (issue 18), on a real server per backend: the `X-Loraserve-Provenance`
+"""Provenance on every answer, on a real server per backend: the `X-Loraserve-Provenance`
 header on completions, chat and streamed chat, base model and adapter; the same fields in the usage
 record; `deterministic` validation; a server-drawn seed that replays the answer; `--deterministic`.
 
@@ -18,9 +18,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, main_server_args
-from tests.api.test_usage_e2e import export, wait_for
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
+from tests.harness.structured_fields import parse_dictionary
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.usage import export
+from tests.harness.wait import wait_for
+
+pytestmark = pytest.mark.slow  # real servers
 
 BASE = "tiny-llama"
 HEADER = "x-loraserve-provenance"
@@ -33,39 +37,6 @@ SQLITE_ONLY = pytest.mark.parametrize("server", ["sqlite-local"], indirect=True)
 ADAPTER_KEYS = {"adapter", "adapter_version", "adapter_sha256", "adapter_config_sha256"}
 
 
-def parse_dictionary(value: str) -> dict[str, Any]:
-    """An RFC 8941 Dictionary of bare items (strings, integers, booleans), as section 4.2 reads it."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(value):
-        match = re.compile(r"[a-z*][a-z0-9_\-.*]*").match(value, i)
-        assert match, f"no key at {i}: {value[i:]!r}"
-        key, i = match.group(), match.end()
-        assert value[i] == "=", f"{key} has no value"
-        i += 1
-        if value[i] == '"':
-            chars, i = [], i + 1
-            while value[i] != '"':
-                if value[i] == "\\":
-                    i += 1
-                assert 0x20 <= ord(value[i]) < 0x7F, f"not printable ASCII in {key}"
-                chars.append(value[i])
-                i += 1
-            item: Any = "".join(chars)
-            i += 1
-        elif value[i] == "?":
-            item, i = value[i + 1] == "1", i + 2
-        else:
-            number = re.compile(r"-?\d{1,15}").match(value, i)
-            assert number, f"{key}: not an integer at {value[i:]!r}"
-            item, i = int(number.group()), number.end()
-        out[key] = item
-        if i < len(value):
-            assert value[i : i + 2] == ", ", f"members must be separated by ', ' at {value[i:]!r}"
-            i += 2
-    return out
-
-
 def checkpoint_sha256(model_dir: Path) -> str:
     """The documented rule: sha256 of the `sha256sum` listing of the safetensors files, sorted by name."""
     files = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
@@ -73,12 +44,8 @@ def checkpoint_sha256(model_dir: Path) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
-def _auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
 def _post(server: Server, key: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/v1/{path}", json=body, headers=_auth(key), timeout=120)
+    return httpx.post(f"{server.base_url}/v1/{path}", json=body, headers=bearer(key), timeout=120)
 
 
 def _provenance(r: httpx.Response) -> dict[str, Any]:
@@ -119,7 +86,7 @@ def test_header_on_completion_chat_and_stream(server: Server, tiny_llama_dir: Pa
         "POST",
         f"{server.base_url}/v1/chat/completions",
         json={**chat_body, "stream": True},
-        headers=_auth(key),
+        headers=bearer(key),
     ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         streamed = parse_dictionary(r.headers[HEADER])  # with the headers, before any event is read
@@ -134,7 +101,7 @@ def test_adapter_provenance_matches_registry_and_usage_record(
     tenant_id, key = server.tenant("prov-lora")
     files = files_of(peft_adapter(tmp_path / "a", seed=3))
     assert upload(server, key, "prov-bot", files).status_code == 201
-    info = httpx.get(f"{server.base_url}/v1/adapters/prov-bot", headers=_auth(key), timeout=30).json()
+    info = httpx.get(f"{server.base_url}/v1/adapters/prov-bot", headers=bearer(key), timeout=30).json()
     version = info["versions"][-1]
     assert version["sha256"] == hashlib.sha256(files["adapter_model.safetensors"]).hexdigest()
     r = _post(server, key, "completions", {"model": "prov-bot", "prompt": "Hello", "max_tokens": 3})
@@ -152,7 +119,7 @@ def test_adapter_provenance_matches_registry_and_usage_record(
         records.update({rec["request_id"]: rec for rec in export(server.base_url, tenant_id)})
         return r.headers["x-request-id"] in records and len(records) >= 2
 
-    wait_for(billed, what="both usage records exported")
+    wait_for(billed, 30.0, interval=0.1, what="both usage records exported")
     stored = records[r.headers["x-request-id"]]["provenance"]
     assert {k: v for k, v in stored.items() if v is not None} == {
         **with_adapter,

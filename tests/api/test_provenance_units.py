@@ -23,7 +23,7 @@ from api.inference.sampling import SeedSource, request_seed, sampling_params
 from api.metering.journal import InFlightRequest, begin_line, finish_line, parse_line
 from api.settings import Settings
 from registry.provenance import Provenance
-from tests.api.test_provenance import parse_dictionary
+from tests.harness.structured_fields import parse_dictionary
 
 
 def _listing_sha256(files: list[Path]) -> str:
@@ -131,7 +131,7 @@ def test_journal_keeps_provenance_across_a_crash() -> None:
     assert aborted.provenance == provenance
     assert parse_line(finish_line(aborted)) == aborted
     old = json.loads(begin_line(req))
-    del old["provenance"]  # a line written before issue 18
+    del old["provenance"]  # a line written before provenance existed
     assert parse_line(json.dumps(old)).provenance is None  # type: ignore[union-attr]
 
 

@@ -8,18 +8,11 @@ import pytest
 
 from api.tenancy.quotas import QuotaExceededError, QuotaLimiter, format_duration
 from registry.types import TenantQuotas
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.harness.clock import FakeClock
 
 
 def test_requests_per_minute_refuse_with_retry_after_and_other_tenants_pass() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     limiter = QuotaLimiter(TenantQuotas(rpm=3), clock=clock)
     for _ in range(3):
         limiter.admit("a", None, estimated_tokens=10).release()
@@ -38,7 +31,7 @@ def test_requests_per_minute_refuse_with_retry_after_and_other_tenants_pass() ->
 
 
 def test_tenant_quotas_override_defaults_and_none_is_unlimited() -> None:
-    limiter = QuotaLimiter(TenantQuotas(rpm=1, tpm=None), clock=FakeClock())
+    limiter = QuotaLimiter(TenantQuotas(rpm=1, tpm=None), clock=FakeClock(100.0))
     assert limiter.limits(TenantQuotas(rpm=5)).rpm == 5
     assert limiter.limits(TenantQuotas()).rpm == 1
     for _ in range(5):
@@ -50,7 +43,7 @@ def test_tenant_quotas_override_defaults_and_none_is_unlimited() -> None:
 
 
 def test_tokens_per_minute_estimate_and_release_refund() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     limiter = QuotaLimiter(clock=clock)
     quotas = TenantQuotas(tpm=1000)
     first = limiter.admit("a", quotas, estimated_tokens=600)
@@ -71,7 +64,7 @@ def test_tokens_per_minute_estimate_and_release_refund() -> None:
 
 
 def test_concurrency_limit_and_release() -> None:
-    limiter = QuotaLimiter(TenantQuotas(max_concurrent=2), clock=FakeClock())
+    limiter = QuotaLimiter(TenantQuotas(max_concurrent=2), clock=FakeClock(100.0))
     held = [limiter.admit("a", None, estimated_tokens=1) for _ in range(2)]
     with pytest.raises(QuotaExceededError) as refused:
         limiter.admit("a", None, estimated_tokens=1)
@@ -86,7 +79,7 @@ def test_concurrency_limit_and_release() -> None:
 
 
 def test_zero_blocks_the_tenant_and_is_not_retryable() -> None:
-    limiter = QuotaLimiter(clock=FakeClock())
+    limiter = QuotaLimiter(clock=FakeClock(100.0))
     for quotas, limit in ((TenantQuotas(rpm=0), "rpm"), (TenantQuotas(max_concurrent=0), "max_concurrent")):
         with pytest.raises(QuotaExceededError) as refused:
             limiter.admit("a", quotas, estimated_tokens=1)
@@ -94,7 +87,7 @@ def test_zero_blocks_the_tenant_and_is_not_retryable() -> None:
 
 
 def test_headers_track_the_request_bucket() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     limiter = QuotaLimiter(TenantQuotas(rpm=60), clock=clock)
     assert limiter.headers("a", None) == {
         "x-ratelimit-limit-requests": "60",
@@ -113,7 +106,7 @@ def test_headers_track_the_request_bucket() -> None:
 
 
 def test_admission_is_atomic_under_threads() -> None:
-    limiter = QuotaLimiter(TenantQuotas(rpm=50), clock=FakeClock())
+    limiter = QuotaLimiter(TenantQuotas(rpm=50), clock=FakeClock(100.0))
     admitted: list[object] = []
     refused: list[QuotaExceededError] = []
 
@@ -143,7 +136,7 @@ def test_reset_durations_are_written_like_openai(seconds: float, text: str) -> N
 
 def test_refund_gives_back_the_request_and_its_whole_estimate() -> None:
     """A request refused after its quota check (503 overload) never ran: it must not count."""
-    limiter = QuotaLimiter(TenantQuotas(rpm=1, tpm=100, max_concurrent=1), clock=FakeClock())
+    limiter = QuotaLimiter(TenantQuotas(rpm=1, tpm=100, max_concurrent=1), clock=FakeClock(100.0))
     admission = limiter.admit("a", None, estimated_tokens=100)
     admission.refund()
     admission.refund()  # once only

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,10 @@ import httpx
 import openai
 import pytest
 
-from tests.api.conftest import LORASERVE, ServerProcess
+from tests.harness.servers import LORASERVE, ServerProcess
+from tests.harness.wait import wait_for
+
+pytestmark = pytest.mark.slow  # real servers
 
 DEMO_ARGS = [
     "--model",
@@ -64,16 +67,6 @@ def _engine(demo: ServerProcess) -> dict[str, Any]:
     return httpx.get(f"{demo.base_url}/admin/api/engine", headers=auth).json()
 
 
-def _wait(
-    predicate: Callable[[], bool], timeout_s: float, what: Callable[[], object] = lambda: None
-) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout_s, f"condition not reached in {timeout_s} s: {what()}"
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
 def _idle(demo: ServerProcess) -> bool:
     stats = _engine(demo)
     return stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_kv_blocks_used"] == 0
@@ -82,7 +75,7 @@ def _idle(demo: ServerProcess) -> bool:
 def _wait_idle(demo: ServerProcess, timeout_s: float) -> None:
     # A 3000-token request takes ~20 s on the demo model even on an idle machine: being idle within
     # `timeout_s` means it was aborted.
-    _wait(lambda: _idle(demo), timeout_s, lambda: _engine(demo))
+    wait_for(lambda: _idle(demo), timeout_s, what=lambda: _engine(demo))
 
 
 def test_banner_keys_and_printed_curl(demo: ServerProcess) -> None:
@@ -149,7 +142,7 @@ def test_disconnect_non_streaming_aborts(demo: ServerProcess) -> None:
     )
     sock = socket.create_connection(("127.0.0.1", demo.port))
     sock.sendall(request.encode())
-    _wait(lambda: _engine(demo)["num_running"] == 1, 10)
+    wait_for(lambda: _engine(demo)["num_running"] == 1, 10)
     sock.close()
     _wait_idle(demo, 8)
 

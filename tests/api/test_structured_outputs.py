@@ -11,10 +11,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.conftest import Server
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.servers import Server
+from tests.harness.uploads import files_of, peft_adapter, upload
 
-pytestmark = pytest.mark.parametrize("server", ["sqlite-local"], indirect=True)
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("server", ["sqlite-local"], indirect=True)]
 
 BASE = "tiny-llama"
 SCHEMAS = {

@@ -15,7 +15,9 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.conftest import ADMIN_KEY, ServerProcess
+from tests.harness.servers import ADMIN_KEY, ServerProcess
+
+pytestmark = pytest.mark.slow  # real servers
 
 MODEL = "tiny"
 WEATHER = {

@@ -1,4 +1,4 @@
-"""Issue 7 end to end against real `loraserve serve` processes: usage equals what clients received,
+"""Usage metering end to end against real `loraserve serve` processes: usage equals what clients received,
 each request is metered once (also across a crash), tenants see only their own usage, `/metrics`
 parses and moves, quotas refuse with 429, and prefix-cache blocks are shared per tenant only.
 
@@ -8,13 +8,10 @@ and the database read with the registry's own functions after the server is gone
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,40 +22,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from registry.db import make_engine, session_factory
 from registry.usage import UsageRecord, export_usage
-from tests.api.conftest import ADMIN_KEY, Server, ServerProcess, main_server_args
-from tests.api.test_metrics import ISSUE_NAMES
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.metric_names import REQUIRED_METRIC_NAMES
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.usage import export
+from tests.harness.wait import wait_for
+
+pytestmark = pytest.mark.slow  # real servers
 
 BASE = "tiny-llama"
 LONG = {"max_tokens": 200, "ignore_eos": True}
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
-        time.sleep(0.1)
-
-
-def export(base_url: str, tenant_id: str) -> list[dict[str, Any]]:
-    """Every record of a tenant through the admin export, following the cursor."""
-    events, cursor = [], None
-    while True:
-        params = {"tenant_id": tenant_id, "limit": 7, **({"cursor": cursor} if cursor else {})}
-        r = httpx.get(f"{base_url}/admin/api/usage/export", params=params, headers=_admin(), timeout=60)
-        assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson", r.text
-        events += [json.loads(line) for line in r.text.splitlines()]
-        cursor = r.headers.get("x-next-cursor")
-        if r.headers["x-has-more"] == "false":
-            return [e["data"] for e in events]
-
-
-def _admin() -> dict[str, str]:
-    return {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-
-def _auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def tokens(usage: dict[str, Any]) -> tuple[int, int, int]:
@@ -72,7 +45,7 @@ def record_tokens(record: dict[str, Any]) -> tuple[int, int, int]:
 def aborted_stream(base_url: str, key: str, body: dict[str, Any]) -> str:
     """Open a stream, read one event, hang up; returns the request id (the client saw no usage)."""
     url = f"{base_url}/v1/completions"
-    with httpx.stream("POST", url, json={**body, "stream": True}, headers=_auth(key), timeout=60) as r:
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=bearer(key), timeout=60) as r:
         assert r.status_code == 200
         next(line for line in r.iter_lines() if line.startswith("data: "))
         return r.headers["x-request-id"]
@@ -107,11 +80,14 @@ def test_usage_api_equals_what_clients_received(server: Server, tmp_path: Path) 
         client.completions.create(model="nope", prompt="x", max_tokens=1)
     b_usage = httpx.post(
         f"{server.base_url}/v1/completions", json={"model": BASE, "prompt": "B", "max_tokens": 3},
-        headers=_auth(key_b), timeout=60,
+        headers=bearer(key_b), timeout=60,
     ).json()["usage"]  # fmt: skip
 
     wait_for(
-        lambda: set(aborted) <= {r["request_id"] for r in export(server.base_url, tenant_a)}, what="abort"
+        lambda: set(aborted) <= {r["request_id"] for r in export(server.base_url, tenant_a)},
+        30.0,
+        interval=0.1,
+        what="abort",
     )
     records = export(server.base_url, tenant_a)
     ids = [r["request_id"] for r in records]
@@ -129,21 +105,23 @@ def test_usage_api_equals_what_clients_received(server: Server, tmp_path: Path) 
         totals = expected.setdefault(key, [0, 0, 0, 0])
         for i, value in enumerate((1, *triple)):
             totals[i] += value
-    mine = httpx.get(f"{server.base_url}/v1/usage?group_by=adapter", headers=_auth(key_a)).json()["data"]
+    mine = httpx.get(f"{server.base_url}/v1/usage?group_by=adapter", headers=bearer(key_a)).json()["data"]
     fields = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
     assert {g["key"]: [g[f] for f in fields] for g in mine} == expected
-    by_day = httpx.get(f"{server.base_url}/v1/usage", headers=_auth(key_a)).json()["data"]
+    by_day = httpx.get(f"{server.base_url}/v1/usage", headers=bearer(key_a)).json()["data"]
     assert [sum(g[f] for g in by_day) for f in fields] == [
         sum(t[i] for t in expected.values()) for i in range(4)
     ]
 
     # Tenant B sees its one request only, whatever it asks for.
-    theirs = httpx.get(f"{server.base_url}/v1/usage?tenant_id={tenant_a}", headers=_auth(key_b)).json()[
+    theirs = httpx.get(f"{server.base_url}/v1/usage?tenant_id={tenant_a}", headers=bearer(key_b)).json()[
         "data"
     ]
     assert [[g[f] for f in fields] for g in theirs] == [[1, *tokens(b_usage)]]
     admin = httpx.get(
-        f"{server.base_url}/admin/api/usage", params={"group_by": "tenant", "format": "csv"}, headers=_admin()
+        f"{server.base_url}/admin/api/usage",
+        params={"group_by": "tenant", "format": "csv"},
+        headers=bearer(ADMIN_KEY),
     )
     assert admin.headers["content-type"].startswith("text/csv")
     rows = {line.split(",")[0]: line.split(",")[1:] for line in admin.text.splitlines()[1:]}
@@ -152,28 +130,30 @@ def test_usage_api_equals_what_clients_received(server: Server, tmp_path: Path) 
 
 def metric_values(base_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     # With a key (the admin key also serves as metrics token): the per-tenant series are included.
-    r = httpx.get(f"{base_url}/metrics", headers=_admin(), timeout=30)
+    r = httpx.get(f"{base_url}/metrics", headers=bearer(ADMIN_KEY), timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = list(text_string_to_metric_families(r.text))
-    assert {f.name for f in families} >= set(ISSUE_NAMES)
+    assert {f.name for f in families} >= set(REQUIRED_METRIC_NAMES)
     return {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
 
 
 def test_metrics_parse_and_move(server: Server) -> None:
     name = f"metrics-{random.randrange(10**9)}"
-    tenant = httpx.post(f"{server.base_url}/admin/api/tenants", json={"name": name}, headers=_admin()).json()
+    tenant = httpx.post(
+        f"{server.base_url}/admin/api/tenants", json={"name": name}, headers=bearer(ADMIN_KEY)
+    ).json()
     running = ("vllm:num_requests_running", frozenset({("model_name", BASE)}))
     generated = ("vllm:generation_tokens_total", frozenset({("model_name", BASE)}))
     before = metric_values(server.base_url)
     url = f"{server.base_url}/v1/completions"
     body = {"model": BASE, "prompt": "Count", "stream": True, **LONG}
-    with httpx.stream("POST", url, json=body, headers=_auth(tenant["api_key"]), timeout=120) as r:
+    with httpx.stream("POST", url, json=body, headers=bearer(tenant["api_key"]), timeout=120) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         assert metric_values(server.base_url)[running] >= 1  # running while the stream is open
         for _ in lines:
             pass
-    wait_for(lambda: metric_values(server.base_url)[running] == 0, what="running back to 0")
+    wait_for(lambda: metric_values(server.base_url)[running] == 0, 30.0, what="running back to 0")
     after = metric_values(server.base_url)
     assert after[generated] - before[generated] >= 200
     assert after[("loraserve_tenant_requests_total", frozenset({("tenant", name)}))] == 1
@@ -199,7 +179,7 @@ def test_quotas_refuse_with_429_and_others_are_unaffected(server: Server) -> Non
     )
     refused_id = response.headers["x-request-id"]
     body = {"model": BASE, "prompt": "q", "max_tokens": 1}
-    ok = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=_auth(other_key), timeout=60)
+    ok = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=bearer(other_key), timeout=60)
     assert ok.status_code == 200  # other tenants unaffected
     assert refused_id not in {r["request_id"] for r in export(server.base_url, limited)}  # 429 is not billed
 
@@ -209,7 +189,7 @@ def test_quotas_refuse_with_429_and_others_are_unaffected(server: Server) -> Non
 
     def send() -> None:
         barrier.wait()
-        r = httpx.post(url, json={**body, **LONG}, headers=_auth(key), timeout=60)
+        r = httpx.post(url, json={**body, **LONG}, headers=bearer(key), timeout=60)
         statuses.append((r.status_code, r.json()["error"]["param"] if r.status_code != 200 else None))
 
     threads = [threading.Thread(target=send) for _ in range(6)]
@@ -218,7 +198,7 @@ def test_quotas_refuse_with_429_and_others_are_unaffected(server: Server) -> Non
     for t in threads:
         t.join()
     assert (200, None) in statuses and (429, "max_concurrent") in statuses, statuses
-    assert httpx.post(url, json=body, headers=_auth(key), timeout=60).status_code == 200  # released
+    assert httpx.post(url, json=body, headers=bearer(key), timeout=60).status_code == 200  # released
 
 
 def test_prefix_cache_is_shared_within_a_tenant_only(server: Server) -> None:
@@ -227,7 +207,7 @@ def test_prefix_cache_is_shared_within_a_tenant_only(server: Server) -> None:
 
     def cached(key: str) -> int:
         body = {"model": BASE, "prompt": prompt, "max_tokens": 1}
-        r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=_auth(key), timeout=60)
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=bearer(key), timeout=60)
         return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
     assert cached(key_a) == 0
@@ -240,7 +220,7 @@ def test_crash_during_load_keeps_every_completed_record_once(tiny_llama_dir: Pat
     env = {"LORASERVE_ADMIN_KEY": ADMIN_KEY, "LORASERVE_USAGE_FLUSH_INTERVAL_S": "3600"}  # journal only
     process = ServerProcess(main_server_args(tiny_llama_dir), tmp_path / "data", env=env).start()
     tenant = httpx.post(
-        f"{process.base_url}/admin/api/tenants", json={"name": "load"}, headers=_admin()
+        f"{process.base_url}/admin/api/tenants", json={"name": "load"}, headers=bearer(ADMIN_KEY)
     ).json()
     completed: dict[str, dict[str, Any]] = {}
     stop = threading.Event()
@@ -253,7 +233,7 @@ def test_crash_during_load_keeps_every_completed_record_once(tiny_llama_dir: Pat
                 r = httpx.post(
                     f"{process.base_url}/v1/completions",
                     json=body,
-                    headers=_auth(tenant["api_key"]),
+                    headers=bearer(tenant["api_key"]),
                     timeout=60,
                 )
             except httpx.HTTPError:
@@ -263,7 +243,7 @@ def test_crash_during_load_keeps_every_completed_record_once(tiny_llama_dir: Pat
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    wait_for(lambda: len(completed) >= 12, 120, "12 completed requests")
+    wait_for(lambda: len(completed) >= 12, 120, what="12 completed requests")
     process.stop(signal.SIGKILL)  # mid-load: requests in flight, nothing flushed to the database
     stop.set()
     for t in threads:
@@ -279,7 +259,7 @@ def test_crash_during_load_keeps_every_completed_record_once(tiny_llama_dir: Pat
         assert records[rid]["finish_reason"] == "abort" and records[rid]["completion_tokens"] == 0
     last = httpx.post(
         f"{process.base_url}/v1/completions", json={"model": BASE, "prompt": "end", "max_tokens": 2},
-        headers=_auth(tenant["api_key"]), timeout=60,
+        headers=bearer(tenant["api_key"]), timeout=60,
     ).json()  # fmt: skip
     assert process.stop() == 0  # SIGTERM: drained and flushed
     engine = make_engine(f"sqlite:///{tmp_path / 'data' / 'loraserve.db'}")

@@ -20,7 +20,9 @@ import torch
 from api.checkpoints.sources import SMOLLM2
 from api.demo.tenant import DEMO_ADAPTERS_DIR
 from api.demo.traits import HELD_OUT_PROMPTS, TRAITS
-from tests.api.conftest import ServerProcess
+from tests.harness.servers import ServerProcess
+
+pytestmark = pytest.mark.slow  # real servers
 
 BASE = SMOLLM2.served_name
 ORACLE_PROMPTS = ("What is the capital of France?", "Give me a tip for staying healthy.")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from base_engine import AsyncEngine, EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from tests.engine.conftest import random_prompts
+from tests.harness.engine_inputs import random_prompts
 
 
 @pytest.fixture

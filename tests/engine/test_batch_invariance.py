@@ -24,7 +24,7 @@ from base_engine.invariant import GemmProbe, invariant_linear
 from base_engine.model.config import load_model_config
 from base_engine.outputs import RequestOutput
 from base_engine.testing.checkpoint import save_random_checkpoint
-from tests.engine.conftest import preload_adapters
+from tests.harness.engine_inputs import preload_adapters
 
 VOCAB = 512
 NUM_ADAPTERS = 8
@@ -92,6 +92,7 @@ def _target(prompt: list[int], adapter: int | None, temperature: float, arrival:
     return Req(tuple(prompt), adapter, params, arrival)
 
 
+@pytest.mark.slow
 def test_prefix_hit_chunking_and_preemption_leave_the_answer_alone(setup: tuple[Path, list[Path]]) -> None:
     """One scenario with each cause at once, and a check that each really happened."""
     model_dir, adapters = setup
@@ -122,6 +123,7 @@ other_st = st.tuples(  # prompt, adapter, temperature, top_p, max_tokens, determ
 )  # fmt: skip
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     prompt=st.lists(st.integers(3, VOCAB - 1), min_size=5, max_size=40),

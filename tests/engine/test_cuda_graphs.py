@@ -14,7 +14,7 @@ from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
 from base_engine.model.config import load_model_config
 from base_engine.runner.cuda_graphs import bucket_sizes
-from tests.engine.conftest import random_prompts
+from tests.harness.engine_inputs import random_prompts
 
 
 def test_bucket_sizes() -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
 from base_engine import AsyncEngine, EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from base_engine.async_engine import MAX_CONSECUTIVE_FAILURES
+from tests.harness.wait import wait_for
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -35,14 +35,6 @@ async def _run(engine: AsyncEngine, rid: str, prompt: list[int] | None = None, p
         return last
 
     return await asyncio.wait_for(collect(), 30)  # a dead engine thread would hang it forever
-
-
-def _wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
 
 
 def test_failing_commands_do_not_stop_the_engine(engine, monkeypatch) -> None:
@@ -68,7 +60,9 @@ def test_failing_idle_housekeeping_does_not_stop_the_engine(engine, monkeypatch,
         raise OSError("injected: the disk tier is unreadable")
 
     monkeypatch.setattr(engine.engine.lora, "housekeeping", broken_housekeeping)
-    _wait_for(lambda: len(calls) >= 3)  # the idle loop ran it (and failed) again and again
+    wait_for(
+        lambda: len(calls) >= 3, 10.0, interval=0.01
+    )  # the idle loop ran it (and failed) again and again
     assert engine.is_healthy and engine.fatal_error is None
     assert caplog.text.count("adapter housekeeping failed while idle") == 1  # logged once, not per try
     monkeypatch.undo()
@@ -124,7 +118,7 @@ def test_a_step_that_always_fails_turns_unhealthy_and_ends_every_request(engine,
 
     outs = asyncio.run(main())
     assert all(o.finish_reason == "error" and "device lost" in o.error for o in outs)
-    _wait_for(lambda: engine.num_consecutive_failures >= 1)
+    wait_for(lambda: engine.num_consecutive_failures >= 1, 10.0, interval=0.01)
     # Keep failing: three in a row make it unhealthy (what /health and /ready report).
     for _ in range(MAX_CONSECUTIVE_FAILURES):
         asyncio.run(main())

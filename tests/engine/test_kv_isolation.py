@@ -22,7 +22,7 @@ from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
 from base_engine.model.config import load_model_config
 from base_engine.testing.checkpoint import save_random_checkpoint
-from tests.engine.conftest import preload_adapters
+from tests.harness.engine_inputs import preload_adapters
 
 BLOCK_SIZE = 4
 

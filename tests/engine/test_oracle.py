@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from base_engine import LLM, SamplingParams
-from tests.engine.conftest import random_prompts
 from tests.engine.oracle import assert_greedy_match, hf_greedy
+from tests.harness.engine_inputs import random_prompts
 
 MAX_NEW = 10
 

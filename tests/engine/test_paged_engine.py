@@ -8,7 +8,7 @@ import pytest
 from base_engine import SamplingParams
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
-from tests.engine.conftest import random_prompts
+from tests.harness.engine_inputs import random_prompts
 
 
 def _run(model_dir, attention: str, prompts: list[list[int]]) -> dict:
@@ -27,6 +27,7 @@ def _run(model_dir, attention: str, prompts: list[list[int]]) -> dict:
     return finals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "mistral-window"])
 def test_paged_path_matches_bucketed_path(arch: str, make_checkpoint) -> None:
     if arch == "llama":

@@ -13,7 +13,7 @@ import torch
 from base_engine import LLM, SamplingParams
 from base_engine.constraints import GrammarCompiler, allowed_tokens
 from base_engine.sampler import Sampler, SamplingRow
-from tests.engine.conftest import random_prompts
+from tests.harness.engine_inputs import random_prompts
 
 SCHEMA = {
     "type": "object",
@@ -44,6 +44,7 @@ def constrained(compiler: GrammarCompiler, schema=SCHEMA, **kwargs) -> SamplingP
     return SamplingParams(constraint=compiler.compile_json_schema(schema).new_constraint(), **kwargs)
 
 
+@pytest.mark.slow
 def test_constrained_rows_validate_and_leave_free_rows_unchanged(llm: LLM, compiler: GrammarCompiler) -> None:
     prompts = random_prompts(12, 500, 2, 20, seed=3)
     free = [SamplingParams(max_tokens=12, temperature=t, seed=i) for i, t in enumerate([0.0, 1.0] * 3)]
@@ -57,6 +58,7 @@ def test_constrained_rows_validate_and_leave_free_rows_unchanged(llm: LLM, compi
         jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
+@pytest.mark.slow
 def test_shared_params_get_their_own_matcher(llm: LLM, compiler: GrammarCompiler) -> None:
     params = constrained(compiler, temperature=1.0)
     outs = llm.generate(random_prompts(4, 500, 2, 10, seed=5), params)
@@ -64,6 +66,7 @@ def test_shared_params_get_their_own_matcher(llm: LLM, compiler: GrammarCompiler
         jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
+@pytest.mark.slow
 def test_json_object_mode(llm: LLM, compiler: GrammarCompiler) -> None:
     outs = llm.generate(
         random_prompts(4, 500, 2, 10, seed=6), [constrained(compiler, None, seed=i) for i in range(4)]
@@ -75,6 +78,7 @@ def test_json_object_mode(llm: LLM, compiler: GrammarCompiler) -> None:
             assert out.text.startswith("{")
 
 
+@pytest.mark.slow
 def test_preemption_keeps_the_matcher_consistent(tiny_llama_dir: Path, compiler: GrammarCompiler) -> None:
     llm = LLM(tiny_llama_dir, num_kv_blocks=40, block_size=4, max_num_batched_tokens=64)
     prompts = random_prompts(12, 500, 10, 30, seed=8)

@@ -55,6 +55,7 @@ def _hostile_texts() -> st.SearchStrategy[str]:
     return st.lists(st.one_of(repeated, st.text(max_size=40)), max_size=8).map("".join)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(text=_hostile_texts())
 def test_least_tokens_is_a_lower_bound(

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,8 @@ from registry import fleet
 from registry.adapters import delete_adapter
 from registry.db import make_engine, session_factory
 from tests.api.console_helpers import admin_api, browser, console_app, login, peft_adapter
-from tests.api.hanging_proxy import HangingProxy
+from tests.harness.hanging_proxy import HangingProxy
+from tests.harness.wait import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +73,6 @@ def uploaded(app: FastAPI, tiny_llama_dir: Path, tmp: Path, name: str) -> tuple[
     return tenant["id"], f"{tenant['id']}/{name}@1"
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def pinned(state: AppState) -> set[str]:
     """The engine's pins as of its last step (read from its stats: never the cache from this thread)."""
     return set(state.engine.stats().adapters.pinned)
@@ -101,18 +95,18 @@ def test_events_and_state_drive_this_replicas_cache(
     time.sleep(0.2)
     assert ref_id not in pinned(state)  # nothing happens here before the agent's beat
     agent.tick()
-    wait_for(lambda: ref_id in pinned(state) and ref_id in resident(state))  # the pin loads it
+    wait_for(lambda: ref_id in pinned(state) and ref_id in resident(state), 20.0)  # the pin loads it
 
     late = agent_of(state, loop, "late")  # a replica started later: no events, only state
     asyncio.run_coroutine_threadsafe(state.engine.unpin_adapter(info.ref), loop).result(10)
-    wait_for(lambda: ref_id not in pinned(state))
+    wait_for(lambda: ref_id not in pinned(state), 20.0)
     late.tick()
-    wait_for(lambda: ref_id in pinned(state))
+    wait_for(lambda: ref_id in pinned(state), 20.0)
 
     with state.sessions() as session:
         fleet.delete_adapter(session, tenant_id=tenant_id, name="bot")
     agent.tick()
-    wait_for(lambda: ref_id not in pinned(state) and ref_id not in resident(state))
+    wait_for(lambda: ref_id not in pinned(state) and ref_id not in resident(state), 20.0)
     with state.sessions() as session:
         replicas = {r.replica_id: r for r in fleet.list_replicas(session, lost_after_s=60)}
     assert {"solo", "late"} <= set(replicas) and replicas["solo"].state == "ready"
@@ -129,7 +123,7 @@ def test_stale_residency_is_evicted_without_any_event(
         fleet.pin_adapter(session, tenant_id=tenant_id, model="quiet")
     agent = agent_of(state, loop)
     agent.tick()
-    wait_for(lambda: ref_id in resident(state))
+    wait_for(lambda: ref_id in resident(state), 20.0)
     with state.sessions() as session:
         delete_adapter(session, tenant_id=tenant_id, name="quiet")  # no fleet event
     agent.tick()  # events only: nothing to apply
@@ -137,7 +131,7 @@ def test_stale_residency_is_evicted_without_any_event(
     assert ref_id in resident(state)
     agent.cursor = None  # the next beat reconciles, as every RECONCILE_EVERY beats
     agent.tick()
-    wait_for(lambda: ref_id not in resident(state) and ref_id not in pinned(state))
+    wait_for(lambda: ref_id not in resident(state) and ref_id not in pinned(state), 20.0)
 
 
 def test_a_hung_database_ends_a_beat_within_the_agents_timeout(
@@ -204,6 +198,6 @@ def test_stop_leaves_the_fleet(started: tuple[FastAPI, AppState], loop: asyncio.
         with state.sessions() as session:
             return {r.replica_id for r in fleet.list_replicas(session, lost_after_s=60)}
 
-    wait_for(lambda: "leaving" in listed())
+    wait_for(lambda: "leaving" in listed(), 20.0)
     asyncio.run_coroutine_threadsafe(agent.stop(), loop).result(30)
     assert "leaving" not in listed() and not agent._thread.is_alive()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +19,13 @@ import httpx
 import pytest
 
 from migrations.api import upgrade
-from tests.api.conftest import (
-    ADMIN_KEY,
-    Server,
-    ServerProcess,
-    _postgres_database,
-    _s3_env,
-    main_server_args,
-)
-from tests.api.uploads import files_of, peft_adapter, upload
+from tests.harness.postgres import new_database
+from tests.harness.s3 import s3_backend
+from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args
+from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.wait import wait_for
+
+pytestmark = pytest.mark.slow  # real servers
 
 LOST_AFTER_S = 10.0  # api/fleet/agent.py
 CHROMIUM = "/usr/bin/chromium"
@@ -71,9 +69,9 @@ def fleet(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, postgres_url: str, s3_server: str
 ) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fleet")
-    db_url = _postgres_database(postgres_url)
+    db_url = new_database(postgres_url)
     upgrade(db_url)  # once per deploy, never by a replica's start
-    s3 = _s3_env(s3_server, tmp)
+    s3 = s3_backend(s3_server, tmp)
     args = [*main_server_args(tiny_llama_dir), "--db", db_url, "--registry", f"s3://{s3['bucket']}/registry"]
     env = {
         "LORASERVE_ADMIN_KEY": ADMIN_KEY,
@@ -90,16 +88,6 @@ def fleet(
         for server in group.replicas.values():
             if server.process.proc is not None and server.process.proc.poll() is None:
                 server.process.stop()
-
-
-def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = condition()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.25)
 
 
 def adapter_cache(server: Server) -> dict[str, Any]:
@@ -133,34 +121,49 @@ def test_pin_through_r1_reaches_r2_and_the_fleet_api_shows_both(fleet: Fleet, tm
     assert ref_id not in adapter_cache(r2)["pinned"]
     r = r1.admin("POST", f"/tenants/{tenant_id}/adapters/pinned-bot/pin")
     assert r.status_code == 200, r.text
-    wait_for(lambda: ref_id in adapter_cache(r2)["pinned"], 5, "r2 pins what was pinned through r1")
-    wait_for(lambda: adapter_cache(r2)["residency"].get(ref_id) == "gpu", 30, "r2 loads it into a slot")
+    wait_for(
+        lambda: ref_id in adapter_cache(r2)["pinned"],
+        5,
+        interval=0.25,
+        what="r2 pins what was pinned through r1",
+    )
+    wait_for(
+        lambda: adapter_cache(r2)["residency"].get(ref_id) == "gpu",
+        30,
+        interval=0.25,
+        what="r2 loads it into a slot",
+    )
 
     def both_show_it() -> bool:
         rows = fleet_rows(r2)  # asked of r2: the fleet view is the same through any replica
         held = {rid: {a["id"]: a for a in row["adapters"]} for rid, row in rows.items()}
         return all(held.get(rid, {}).get("pinned-bot@1", {}).get("pinned") for rid in ("r1", "r2"))
 
-    wait_for(both_show_it, 10, "/admin/api/fleet lists r1 and r2 holding the pinned adapter")
+    wait_for(both_show_it, 10, what="/admin/api/fleet lists r1 and r2 holding the pinned adapter")
     rows = fleet_rows(r1)
     assert {rows["r1"]["state"], rows["r2"]["state"]} == {"ready"}
     assert ref_id in rows["r2"]["residency"]["pinned"] and rows["r2"]["last_seen"] >= time.time() - 5
 
     r = r1.admin("POST", f"/tenants/{tenant_id}/adapters/pinned-bot/unpin")
     assert r.status_code == 200, r.text
-    wait_for(lambda: ref_id not in adapter_cache(r2)["pinned"], 5, "r2 unpins it too")
+    wait_for(lambda: ref_id not in adapter_cache(r2)["pinned"], 5, what="r2 unpins it too")
 
 
 def test_delete_through_r1_is_refused_and_evicted_on_r2(fleet: Fleet, tmp_path: Path) -> None:
     r1, r2 = fleet.replicas["r1"], fleet.replicas["r2"]
     tenant_id, key, ref_id = new_adapter(r1, tmp_path, "doomed", seed=2)
     assert complete(r2, key, "doomed").status_code == 200  # r2 loads it for a request
-    wait_for(lambda: ref_id in adapter_cache(r2)["residency"], 10, "r2 holds the adapter")
+    wait_for(lambda: ref_id in adapter_cache(r2)["residency"], 10, what="r2 holds the adapter")
     r = r1.admin("DELETE", f"/tenants/{tenant_id}/adapters/doomed")
     assert r.status_code == 200 and r.json()["versions"] == [1], r.text
     refused = complete(r2, key, "doomed")
     assert refused.status_code == 404, refused.text  # the shared registry: refused at once
-    wait_for(lambda: ref_id not in adapter_cache(r2)["residency"], 5, "r2 evicts the deleted adapter")
+    wait_for(
+        lambda: ref_id not in adapter_cache(r2)["residency"],
+        5,
+        interval=0.25,
+        what="r2 evicts the deleted adapter",
+    )
     assert ref_id not in adapter_cache(r1)["residency"]
 
 
@@ -168,21 +171,31 @@ def test_tenant_delete_and_suspend_reach_every_replica(fleet: Fleet, tmp_path: P
     r1, r2 = fleet.replicas["r1"], fleet.replicas["r2"]
     tenant_id, key, ref_id = new_adapter(r1, tmp_path, "own-delete", seed=3)
     assert complete(r2, key, "own-delete").status_code == 200
-    wait_for(lambda: ref_id in adapter_cache(r2)["residency"], 10, "r2 holds the adapter")
+    wait_for(lambda: ref_id in adapter_cache(r2)["residency"], 10, what="r2 holds the adapter")
     r = r1.admin("POST", f"/tenants/{tenant_id}/suspend")
     assert r.status_code == 200, r.text
-    wait_for(lambda: ref_id not in adapter_cache(r2)["residency"], 5, "r2 drops a suspended tenant's adapter")
+    wait_for(
+        lambda: ref_id not in adapter_cache(r2)["residency"],
+        5,
+        interval=0.25,
+        what="r2 drops a suspended tenant's adapter",
+    )
     assert complete(r2, key, "own-delete").status_code == 401
 
     r = r1.admin("POST", f"/tenants/{tenant_id}/activate")
     assert r.status_code == 200 and complete(r2, key, "own-delete").status_code == 200
-    wait_for(lambda: ref_id in adapter_cache(r2)["residency"], 10, "r2 serves it again")
+    wait_for(lambda: ref_id in adapter_cache(r2)["residency"], 10, what="r2 serves it again")
     # The tenant's own DELETE /v1/adapters/{name} through r1 reaches r2 as well.
     gone = httpx.delete(
         f"{r1.base_url}/v1/adapters/own-delete", headers={"Authorization": f"Bearer {key}"}, timeout=30
     )
     assert gone.status_code == 200, gone.text
-    wait_for(lambda: ref_id not in adapter_cache(r2)["residency"], 5, "r2 evicts a tenant-deleted adapter")
+    wait_for(
+        lambda: ref_id not in adapter_cache(r2)["residency"],
+        5,
+        interval=0.25,
+        what="r2 evicts a tenant-deleted adapter",
+    )
 
 
 def test_metrics_carry_the_replica_label(fleet: Fleet) -> None:
@@ -198,7 +211,7 @@ def test_metrics_carry_the_replica_label(fleet: Fleet) -> None:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
         return r.text if 'replica="r1"' in r.text and 'replica="r2"' in r.text else None
 
-    body = wait_for(merged, 10, "the fleet metrics hold both replicas' series")
+    body = wait_for(merged, 10, what="the fleet metrics hold both replicas' series")
     assert body.count("# TYPE vllm:num_requests_running gauge") == 1  # merged, not concatenated
     assert 'loraserve_fleet_replica_up{replica="r2"} 1.0' in body
 
@@ -208,15 +221,20 @@ def test_a_later_replica_applies_pins_and_shows_lost_after_kill_9(fleet: Fleet, 
     tenant_id, _, ref_id = new_adapter(r1, tmp_path, "sticky", seed=4)
     assert r1.admin("POST", f"/tenants/{tenant_id}/adapters/sticky/pin").status_code == 200
     (r3,) = fleet.start("r3")
-    wait_for(lambda: ref_id in adapter_cache(r3)["pinned"], 10, "r3 applies the pin in force")
+    wait_for(lambda: ref_id in adapter_cache(r3)["pinned"], 10, what="r3 applies the pin in force")
     assert r1.admin("POST", f"/tenants/{tenant_id}/adapters/sticky/unpin").status_code == 200
-    wait_for(lambda: fleet_rows(r1).get("r3", {}).get("state") == "ready", 10, "r3 in the fleet view")
+    wait_for(
+        lambda: fleet_rows(r1).get("r3", {}).get("state") == "ready",
+        10,
+        interval=0.25,
+        what="r3 in the fleet view",
+    )
 
     assert r3.process.proc is not None
     r3.process.proc.send_signal(signal.SIGKILL)
     r3.process.proc.wait(10)
     assert fleet_rows(r1)["r3"]["state"] == "ready"  # not yet: silence takes LOST_AFTER_S to count
-    wait_for(lambda: fleet_rows(r1)["r3"]["state"] == "lost", LOST_AFTER_S + 5, "r3 shown lost")
+    wait_for(lambda: fleet_rows(r1)["r3"]["state"] == "lost", LOST_AFTER_S + 5, what="r3 shown lost")
     assert fleet_rows(r1)["r2"]["state"] == "ready"
 
 
@@ -228,8 +246,18 @@ def test_console_fleet_page_shows_each_replica_and_what_it_holds(fleet: Fleet, t
     r1, r2 = fleet.replicas["r1"], fleet.replicas["r2"]
     tenant_id, _, ref_id = new_adapter(r1, tmp_path, "shown", seed=5)
     assert r1.admin("POST", f"/tenants/{tenant_id}/adapters/shown/pin").status_code == 200
-    wait_for(lambda: adapter_cache(r1)["residency"].get(ref_id) == "gpu", 30, "r1 loads the pinned adapter")
-    wait_for(lambda: adapter_cache(r2)["residency"].get(ref_id) == "gpu", 30, "r2 loads the pinned adapter")
+    wait_for(
+        lambda: adapter_cache(r1)["residency"].get(ref_id) == "gpu",
+        30,
+        interval=0.25,
+        what="r1 loads the pinned adapter",
+    )
+    wait_for(
+        lambda: adapter_cache(r2)["residency"].get(ref_id) == "gpu",
+        30,
+        interval=0.25,
+        what="r2 loads the pinned adapter",
+    )
     time.sleep(1.5)  # a heartbeat after the loads
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)

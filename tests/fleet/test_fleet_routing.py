@@ -24,7 +24,7 @@ from registry.adapters import register_adapter_version
 from registry.db import make_engine, session_factory
 from registry.stores import open_store
 from registry.tenants import create_tenant
-from tests.registry.conftest import BASE_MODEL, SHAPES, write_adapter
+from tests.harness.raw_adapters import BASE_MODEL, SHAPES, write_adapter
 
 
 @pytest.fixture
@@ -153,6 +153,7 @@ def test_ray_serve_config_is_valid_and_builds() -> None:
         build_app({**app["args"], "max_loras": 0})
 
 
+@pytest.mark.slow
 def test_serve_replicas_refuses_sqlite_and_local_store_naming_each(tmp_path: Path) -> None:
     """`loraserve serve --replicas 2` without PostgreSQL, S3 and an admin key: exit 2 before Ray starts."""
     import os

@@ -23,15 +23,13 @@ import openai
 import pytest
 
 from api.admin.console.sessions import COOKIE_NAME
-from tests.api.conftest import (
-    ADMIN_KEY,
-    LORASERVE,
-    ServerProcess,
-    _postgres_database,
-    _s3_env,
-    main_server_args,
-)
 from tests.api.console_helpers import csrf_of
+from tests.harness.postgres import new_database
+from tests.harness.s3 import s3_backend
+from tests.harness.servers import ADMIN_KEY, LORASERVE, ServerProcess, main_server_args
+from tests.harness.wait import wait_for
+
+pytestmark = pytest.mark.slow  # real servers
 
 MODEL = "tiny-llama"
 
@@ -41,8 +39,8 @@ def replicas(
     tiny_llama_dir: Path, postgres_url: str, s3_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     tmp = tmp_path_factory.mktemp("fleet")
-    db = _postgres_database(postgres_url)
-    s3 = _s3_env(s3_server, tmp)
+    db = new_database(postgres_url)
+    s3 = s3_backend(s3_server, tmp)
     aws = {k: v for k, v in s3.items() if k.startswith("AWS_")}
     subprocess.run([LORASERVE, "db", "upgrade", "--db", db], check=True, capture_output=True, timeout=180)
     args = [
@@ -155,10 +153,8 @@ def test_concurrency_limit_holds_across_both_replicas(replicas: tuple[ServerProc
         done.set()
         for holder in holders:
             holder.join(60)
-    deadline = time.monotonic() + 30  # released slots are written by a background thread: poll
-    while _ask(_client(replicas[1], key)) != "ok":
-        assert time.monotonic() < deadline, "the slots never came back"
-        time.sleep(0.2)
+    # Released slots are written by a background thread: poll.
+    wait_for(lambda: _ask(_client(replicas[1], key)) == "ok", 30, interval=0.2, what="the slots come back")
 
 
 def test_console_login_works_through_the_other_replica_and_after_a_restart(

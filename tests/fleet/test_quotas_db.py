@@ -21,16 +21,9 @@ from api.tenancy.quotas_db import DbQuotaLimiter
 from migrations.api import upgrade
 from registry.db import make_engine, session_factory
 from registry.types import TenantQuotas
+from tests.harness.clock import FakeClock
 
 MakeLimiter = Callable[..., QuotaLimiter]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgresql"])

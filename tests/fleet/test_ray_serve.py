@@ -24,13 +24,16 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from tests.api.conftest import ServerProcess, _postgres_database, _s3_env, free_port_for_ray
-from tests.api.uploads import files_of, peft_adapter
+from tests.harness.postgres import new_database
+from tests.harness.s3 import s3_backend
+from tests.harness.servers import ServerProcess, free_port_for_ray
+from tests.harness.uploads import files_of, peft_adapter
+from tests.harness.wait import wait_for
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 ADMIN_KEY = "lsa-fleet-test-admin-key"
 MODEL = "tiny-llama"
@@ -129,25 +132,15 @@ def request_id(response: httpx.Response) -> str:
     return ids[0]
 
 
-def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def test_loraserve_serve_replicas_2_runs_the_fleet_and_stops_on_sigterm(
     tiny_llama_dir: Path, postgres_url: str, s3_server: str, tmp_path: Path
 ) -> None:
     """The CLI path (its own local Ray; first in this module, before the shared cluster starts)."""
-    s3 = _s3_env(s3_server, tmp_path)
+    s3 = s3_backend(s3_server, tmp_path)
     env = {k: v for k, v in s3.items() if k.startswith("AWS_")} | {"LORASERVE_ADMIN_KEY": ADMIN_KEY}
     args = [
         "--replicas", "2", "--model", str(tiny_llama_dir), "--served-model-name", MODEL,
-        "--db", _postgres_database(postgres_url), "--registry", f"s3://{s3['bucket']}/registry",
+        "--db", new_database(postgres_url), "--registry", f"s3://{s3['bucket']}/registry",
         "--max-model-len", "256", "--num-kv-blocks", "128", "--max-num-seqs", "4",
     ]  # fmt: skip
     process = ServerProcess(args, tmp_path / "data", env=env, port=free_port_for_ray()).start(timeout_s=300)
@@ -175,8 +168,8 @@ def fleet(
     from api.settings import load_settings
 
     tmp = tmp_path_factory.mktemp("ray-fleet")
-    db_url = _postgres_database(postgres_url)
-    s3 = _s3_env(s3_server, tmp)
+    db_url = new_database(postgres_url)
+    s3 = s3_backend(s3_server, tmp)
     env = {k: v for k, v in s3.items() if k.startswith("AWS_")}
     env |= {"LORASERVE_ADMIN_KEY": ADMIN_KEY, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     settings = load_settings(
@@ -194,7 +187,12 @@ def fleet(
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({**args, "num_replicas": 2}), name="loraserve", route_prefix="/")
         fleet = Fleet(f"http://127.0.0.1:{port}", db_url)
-        wait_for(lambda: httpx.get(f"{fleet.base_url}/health", timeout=5).status_code == 200, 120, "health")
+        wait_for(
+            lambda: httpx.get(f"{fleet.base_url}/health", timeout=5).status_code == 200,
+            120,
+            interval=0.2,
+            what="health",
+        )
         yield fleet
     finally:
         serve.shutdown()
@@ -236,7 +234,7 @@ def test_requests_stick_to_replicas_holding_their_adapter(
     # Billing: one usage record per request, ids as the responses reported them.
     ids = [request_id(r) for r in responses]
     assert ids == [r.json()["id"] for r in responses]
-    billed = wait_for(lambda: (u := fleet.usage_ids(tenant_id)) and len(u) >= 48 and u, 30, "usage")
+    billed = wait_for(lambda: (u := fleet.usage_ids(tenant_id)) and len(u) >= 48 and u, 30, what="usage")
     assert len(billed) == len(set(billed)) == 48
     assert set(ids) <= set(billed)
 
@@ -264,7 +262,7 @@ def test_client_disconnect_aborts_the_replicas_request(fleet: Fleet) -> None:
             next(line for line in stream.iter_lines() if line.startswith("data: "))
     # The connection is gone: Ray cancels the ingress, the ingress the replica's call, the replica's
     # app sees http.disconnect and aborts the engine request, which is billed for what it produced.
-    row = wait_for(lambda: fleet.usage_row(rid), 30, "the aborted request's usage")
+    row = wait_for(lambda: fleet.usage_row(rid), 30, what="the aborted request's usage")
     assert row["completion_tokens"] < 240 and row["finish_reason"] != "length", row
 
 
@@ -327,5 +325,5 @@ def test_a_replica_killed_mid_load_fails_cleanly_and_bills_nothing_twice(
     assert victim not in {r.headers["x-loraserve-replica"] for r in later}
     # Billing: every answered request once; nothing more than was sent (a retry keeps its id).
     answered = {request_id(r) for r in [*in_flight, *later] if r.status_code == 200}
-    billed = wait_for(lambda: answered <= set(u := fleet.usage_ids(tenant_id)) and u, 30, "usage")
+    billed = wait_for(lambda: answered <= set(u := fleet.usage_ids(tenant_id)) and u, 30, what="usage")
     assert len(billed) == len(set(billed)) <= 1 + len(in_flight) + len(later)

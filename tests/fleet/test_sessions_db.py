@@ -10,14 +10,7 @@ from sqlalchemy.orm import Session
 
 from api.admin.console.sessions_db import DbSessionStore, hash_session_id
 from registry.fleet_state_models import ConsoleSessionRow
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.harness.clock import FakeClock
 
 
 def test_sessions_are_shared_hashed_and_expire(make_session: Callable[[], Session]) -> None:

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # (kernel, dtype, group, head_dim, block_size, block table dtype, num_splits / block_m, window)
@@ -74,6 +76,7 @@ def compile_variant(kernel, dtype, group, head_dim, block_size, bt, tile, window
     return f"{kernel} {dtype} {shape} sm_{arch}: ok"
 
 
+@pytest.mark.slow
 def test_attention_kernels_compile_for_nvidia(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}

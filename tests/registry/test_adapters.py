@@ -25,7 +25,7 @@ from registry.store import ObjectStore, content_key
 from registry.stores import open_store
 from registry.tenants import create_tenant, set_tenant_status
 from registry.types import AdapterVersionInfo, TenantQuotas
-from tests.registry.conftest import BASE_MODEL, write_adapter
+from tests.harness.raw_adapters import BASE_MODEL, write_adapter
 
 Validate = Callable[[Path], AdapterSummary]
 

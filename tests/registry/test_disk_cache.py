@@ -13,7 +13,7 @@ from registry.disk_cache import DiskTier
 from registry.errors import HashMismatch, IntegrityError, ObjectNotFound, StoreUnavailable
 from registry.store import LocalStore, ObjectStore, content_key, put_content
 from registry.types import CONFIG_FILE, WEIGHTS_FILE, make_source
-from tests.registry.conftest import write_adapter
+from tests.harness.raw_adapters import write_adapter
 
 
 def _upload(store: ObjectStore, directory: Path, ref_id: str = "t/bot@1") -> AdapterRef:

@@ -22,7 +22,7 @@ from registry.models import TenantStatus
 from registry.store import ObjectStore
 from registry.tenants import create_tenant, get_tenant
 from registry.types import AdapterVersionInfo
-from tests.registry.conftest import BASE_MODEL, write_adapter
+from tests.harness.raw_adapters import BASE_MODEL, write_adapter
 
 Validate = Callable[[Path], AdapterSummary]
 

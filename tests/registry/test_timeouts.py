@@ -1,4 +1,4 @@
-"""Slow dependencies end in errors within their configured bounds (a hung S3 must not hold threads
+"""Slow dependencies end in errors within their configured bounds (a hung S3 once held threads
 for minutes): the S3 store behind a proxy that stops answering, PostgreSQL that never answers a
 connection, and a statement that runs longer than the read timeout."""
 
@@ -14,9 +14,10 @@ from sqlalchemy.exc import OperationalError
 from registry.db import make_engine
 from registry.errors import StoreUnavailable
 from registry.s3 import S3Store
-from tests.api.hanging_proxy import HangingProxy
+from tests.harness.hanging_proxy import HangingProxy
 
 
+@pytest.mark.slow
 def test_s3_calls_end_within_their_timeouts_when_the_endpoint_hangs(
     s3_bucket: str, s3_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -18,36 +17,9 @@ from registry.usage import (
     usage_summary,
     write_usage,
 )
+from tests.harness.usage import random_records
 
 T0 = datetime(2026, 11, 28, 22, 0, tzinfo=UTC)
-
-
-def _records(n: int, seed: int = 0) -> list[UsageRecord]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = rng.randint(1, 500)
-        adapter = rng.choice([None, ("bot", 1), ("bot", 2), ("sql", 1)])
-        finished = T0 + timedelta(minutes=rng.randint(0, 60 * 30))  # spans three UTC days
-        out.append(
-            UsageRecord(
-                request_id=f"req-{seed}-{i}",
-                tenant_id=rng.choice(["ta", "tb"]),
-                key_prefix=rng.choice(["aaaaaaaaaaaa", "bbbbbbbbbbbb", None]),
-                adapter_name=adapter[0] if adapter else None,
-                adapter_version=adapter[1] if adapter else None,
-                prompt_tokens=prompt,
-                cached_prompt_tokens=rng.randint(0, prompt),
-                completion_tokens=rng.randint(0, 300),
-                finish_reason=rng.choice(["stop", "length", "abort"]),
-                queue_time_s=rng.random(),
-                ttft_s=rng.choice([None, rng.random()]),
-                total_time_s=1 + rng.random(),
-                created_at=finished - timedelta(seconds=2),
-                finished_at=finished,
-            )
-        )
-    return out
 
 
 def _oracle(records: list[UsageRecord], key) -> list[UsageGroup]:  # type: ignore[no-untyped-def]
@@ -62,7 +34,7 @@ def _oracle(records: list[UsageRecord], key) -> list[UsageGroup]:  # type: ignor
 
 
 def test_write_is_idempotent_by_request_id(session: Session) -> None:
-    records = _records(20)
+    records = random_records(20)
     assert write_usage(session, records[:15]) == 15
     assert write_usage(session, records) == 5  # the first 15 are already there
     assert write_usage(session, records) == 0
@@ -79,7 +51,7 @@ def _asdict(r: UsageRecord) -> dict[str, object]:
 
 
 def test_summaries_match_oracle(session: Session) -> None:
-    records = _records(200)
+    records = random_records(200)
     write_usage(session, records)
     days = {r.finished_at.strftime("%Y-%m-%d") for r in records}
     assert len(days) == 3
@@ -108,7 +80,7 @@ def test_days_are_utc_whatever_the_input_zone(session: Session) -> None:
     plus5 = timezone(timedelta(hours=5))
     # 02:00 at +05:00 is 21:00 UTC the day before.
     finished = datetime(2026, 11, 29, 2, 0, tzinfo=plus5)
-    record = UsageRecord(**{**_asdict(_records(1)[0]), "finished_at": finished, "created_at": finished})
+    record = UsageRecord(**{**_asdict(random_records(1)[0]), "finished_at": finished, "created_at": finished})
     write_usage(session, [record])
     [group] = usage_summary(session, group_by="day")
     assert group.key == "2026-11-28"
@@ -116,7 +88,7 @@ def test_days_are_utc_whatever_the_input_zone(session: Session) -> None:
 
 
 def test_export_by_cursor_covers_each_record_once(session: Session) -> None:
-    records = _records(25)
+    records = random_records(25)
     write_usage(session, records[:20])
     seen: list[str] = []
     cursor = None
@@ -141,7 +113,7 @@ def test_export_by_cursor_covers_each_record_once(session: Session) -> None:
 
 
 def test_cloudevent_uses_request_id() -> None:
-    record = _records(1)[0]
+    record = random_records(1)[0]
     event = to_cloudevent(record, source="//loraserve/test")
     assert event["specversion"] == "1.0" and event["id"] == record.request_id
     assert event["subject"] == record.tenant_id and event["source"] == "//loraserve/test"
@@ -150,7 +122,7 @@ def test_cloudevent_uses_request_id() -> None:
 
 
 def test_record_validation() -> None:
-    good = _asdict(_records(1)[0])
+    good = _asdict(random_records(1)[0])
     for change, match in [
         ({"request_id": ""}, "request_id"),
         ({"prompt_tokens": -1}, "prompt_tokens"),

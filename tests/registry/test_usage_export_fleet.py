@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from migrations.api import upgrade
 from registry.db import make_engine, session_factory
 from registry.usage import export_usage, write_usage
-from tests.registry.test_usage import _records
+from tests.harness.usage import random_records
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def _drain(sessions: sessionmaker[Session], cursor: str | None, seen: list[str])
 
 
 def test_a_lower_id_committed_late_is_exported_once(sessions: sessionmaker[Session]) -> None:
-    records = _records(8, seed=11)
+    records = random_records(8, seed=11)
     slow = sessions()
     write_usage.__wrapped__(slow, records[:1])  # type: ignore[attr-defined]  # takes the lowest id, stays open
     with sessions() as s:
@@ -59,7 +59,7 @@ def test_a_lower_id_committed_late_is_exported_once(sessions: sessionmaker[Sessi
 
 
 def test_concurrent_writers_and_a_paging_reader_see_every_row_once(sessions: sessionmaker[Session]) -> None:
-    records = _records(120, seed=12)
+    records = random_records(120, seed=12)
     chunks = [records[i : i + 4] for i in range(0, len(records), 4)]
     rng = random.Random(5)
     holds = [rng.choice([0.0, 0.0, 0.02, 0.08]) for _ in chunks]

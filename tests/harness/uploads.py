@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from tests.adapters.helpers import save_peft_adapter, tiny_model
-from tests.api.conftest import Server
+from tests.harness.peft_adapters import save_peft_adapter, tiny_model
+from tests.harness.servers import Server
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
