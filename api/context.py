@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from base_engine.outputs import RequestOutput
 from registry.provenance import Provenance
-from registry.types import TenantQuotas
+from registry.types import TenantInfo, TenantQuotas
 
 RequestKind = Literal["completion", "chat"]
 ID_PREFIX: dict[RequestKind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
@@ -35,6 +35,18 @@ def new_request_id(kind: RequestKind) -> str:
     if assigned is not None and assigned.startswith(f"{ID_PREFIX[kind]}-"):
         return assigned
     return f"{ID_PREFIX[kind]}-{secrets.token_hex(16)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An authenticated tenant and the public prefix of the key it used (for usage records, audit)."""
+
+    tenant: TenantInfo
+    key_prefix: str
+
+    @property
+    def actor(self) -> str:
+        return f"key:{self.key_prefix}"
 
 
 @dataclass(slots=True)

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
+from api.context import Caller
 from api.errors import APIError
 from api.inference.services import Inference
 from api.state import AppState
 from registry.errors import AuthError
 from registry.keys import authenticate, key_prefix
-from registry.types import TenantInfo
 
 
 async def get_state(request: Request) -> AppState:
@@ -57,18 +56,6 @@ def bearer_token(request: Request) -> str:
             headers={"WWW-Authenticate": "Bearer"},
         )
     return token.strip()
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """An authenticated tenant and the public prefix of the key it used (for usage records, audit)."""
-
-    tenant: TenantInfo
-    key_prefix: str
-
-    @property
-    def actor(self) -> str:
-        return f"key:{self.key_prefix}"
 
 
 def get_caller(request: Request, session: SessionDep) -> Caller:

@@ -17,8 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.context import RequestKind, compute_usage, new_request_id
-from api.deps import Caller
+from api.context import Caller, RequestKind, compute_usage, new_request_id
 from api.errors import APIError
 from api.inference import provenance
 from api.inference.planning import GenerationPlan, fetch_adapter, plan_generation

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from api.context import RequestContext, RequestKind, new_request_id
-from api.deps import Caller
+from api.context import Caller, RequestContext, RequestKind, new_request_id
 from api.errors import APIError, model_not_found
 from api.inference.adapter_fetch import AdapterFetch, StoreUnreachable, adapter_unavailable
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
-from api.deps import Caller
+from api.context import Caller
 from api.errors import APIError
 from api.inference.planning import resolve_model
 from api.inference.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.deps import Caller
+from api.context import Caller
 from api.errors import APIError, from_registry_error
 from api.settings import Settings
 from api.tenant_adapters.import_sources import ImportSource, check_local_object, check_source

@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import Request
 from sqlalchemy.orm import Session
 
-from api.deps import Caller
+from api.context import Caller
 from api.errors import APIError, from_registry_error
 from api.http.blocking import UploadGate
 from api.tenant_adapters.registrar import Registrar

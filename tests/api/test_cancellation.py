@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from api.bootstrap import build_state
-from api.deps import Caller
+from api.context import Caller
 from api.inference.planning import GenerationPlan, plan_generation
 from api.inference.protocol import CompletionRequest
 from api.inference.running import collect

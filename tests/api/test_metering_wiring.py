@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from api.bootstrap import build_state
-from api.context import RequestContext
-from api.deps import Caller
+from api.context import Caller, RequestContext
 from api.inference.planning import GenerationPlan, plan_generation
 from api.inference.protocol import CompletionRequest
 from api.inference.running import abandon_unstarted, collect

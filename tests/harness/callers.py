@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from api.deps import Caller
+from api.context import Caller
 from api.state import AppState
 from registry.keys import key_prefix
 from registry.tenants import create_tenant
