@@ -34,7 +34,7 @@ test-fast: setup lint
 # The fleet on a real local Ray Serve (2 CPUs, 2 replicas; about 3 minutes). Also part of
 # `make test`; this target runs only them.
 test-ray: setup system-deps
-	RAY_DEDUP_LOGS=0 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m ray --timeout=900 tests/fleet
+	RAY_DEDUP_LOGS=0 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m ray --timeout=900 tests/api/fleet
 
 bench: setup
 	$(BIN)/python benchmarks/throughput.py --suite base --json

@@ -7,7 +7,7 @@ kernels whose reduction order depends only on the row itself:
     build (torch 2.13 CPU, MKL, 2 threads): with K <= 512 a row's bits are the same for every M >= 16;
     with K = 1408 they change from M = 57 on (K is blocked differently). So rows are padded to at
     least 16 and K is cut into fixed 512-wide pieces summed in a fixed order: every M from 1 to 2100
-    then gives the same bits (tests/engine/test_batch_invariance.py keeps that true end to end, and
+    then gives the same bits (tests/base_engine/test_batch_invariance.py keeps that true end to end, and
     `check_gemm_invariance` probes the model's own shapes before the first such step).
   * attention: every query token, prefill or decode, attends alone to its own keys, padded to whole
     blocks of its own length and always masked (`attention.build_token_buckets`): SDPA on CPU gives a

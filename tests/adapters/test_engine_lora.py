@@ -9,7 +9,7 @@ import pytest
 
 from base_engine import LLM, SamplingParams
 from tests.adapters.engine_helpers import ALL_SEVEN, make_adapter, peft_model
-from tests.engine.oracle import assert_greedy_match, hf_greedy
+from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
 from tests.harness.wait import wait_for
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 
 from api.state import AppState
-from tests.api import console_helpers
+from tests.api.admin import console_helpers
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from api.admin.console.sessions import COOKIE_NAME
-from tests.api.console_helpers import csrf_of
+from tests.api.admin.console_helpers import csrf_of
 from tests.harness.postgres import new_database
 from tests.harness.s3 import s3_backend
 from tests.harness.servers import ADMIN_KEY, LORASERVE, ServerProcess, main_server_args

@@ -27,7 +27,7 @@ from migrations.api import upgrade
 from registry import fleet
 from registry.adapters import delete_adapter
 from registry.db import make_engine, session_factory
-from tests.api.console_helpers import admin_api, browser, console_app, login, peft_adapter
+from tests.api.admin.console_helpers import admin_api, browser, console_app, login, peft_adapter
 from tests.harness.hanging_proxy import HangingProxy
 from tests.harness.wait import wait_for
 

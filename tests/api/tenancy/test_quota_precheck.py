@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from api.state import AppState
 from api.tenancy.quotas import QuotaExceededError, QuotaLimiter
 from registry.types import TenantQuotas
-from tests.api import console_helpers as ch
+from tests.api.admin import console_helpers as ch
 
 PROMPT = "a prompt the tokenizer should see only when the request can be admitted"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from fastapi import FastAPI
 
-from tests.api.console_helpers import (
+from tests.api.admin.console_helpers import (
     ADMIN,
     BASE_URL,
     admin_api,

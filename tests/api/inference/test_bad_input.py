@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from api.state import AppState
 from base_engine.model.token_bound import max_chars_per_token
-from tests.api import console_helpers as ch
+from tests.api.admin import console_helpers as ch
 from tests.harness.uploads import CONFIG, WEIGHTS, files_of, peft_adapter
 
 BIG = 2**63  # one past the largest BIGINT: every integer field must refuse it with a 400

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from api.admin.console import AlarmConfig, GoodputWindow, Slo
 from api.state import AppState
 from registry.usage import UsageRecord, write_usage
-from tests.api.console_helpers import (
+from tests.api.admin.console_helpers import (
     admin_api,
     browser,
     create_tenant,

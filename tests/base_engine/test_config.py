@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from adapters.types import LORA_MODULES
 from base_engine.model.config import load_model_config
-from tests.engine.published_configs import (
+from tests.base_engine.published_configs import (
     LLAMA31_8B,
     LLAMA31_8B_INSTRUCT_GENERATION,
     MISTRAL_7B_V01,

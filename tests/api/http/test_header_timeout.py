@@ -3,7 +3,7 @@ uvicorn server over TCP: an idle or trickling connection is closed after the hea
 answer is never cut by it, and the deadline starts again after each response on a keep-alive
 connection. Without the deadline uvicorn keeps such connections forever (these tests then time out).
 And `serve` raises the soft open-files limit, so that idle connections cannot use up descriptors early.
-The `serve` wiring (--request-header-timeout-s) is checked in tests/api/test_body_limit.py."""
+The `serve` wiring (--request-header-timeout-s) is checked in tests/api/http/test_body_limit.py."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import uvicorn
 from api.http.header_timeout import H11HeaderDeadline, protocol_class
 from tests.harness.servers import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEADLINE_S = 1.0
 GET = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
 

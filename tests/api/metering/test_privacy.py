@@ -26,7 +26,7 @@ from api.metering.meter import UsageMeter
 from api.metrics.prometheus import Metrics
 from api.state import AppState
 from base_engine.outputs import AdapterCacheStats, AdapterRequests, EngineStats, RequestMetrics, RequestOutput
-from tests.api import console_helpers as ch
+from tests.api.admin import console_helpers as ch
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
 from tests.harness.uploads import files_of, peft_adapter, upload
 

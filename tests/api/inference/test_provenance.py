@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow  # real servers
 
 BASE = "tiny-llama"
 HEADER = "x-loraserve-provenance"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BUILD_KEYS = {
     "engine_version", "git_sha", "torch_version", "base_model", "base_sha256", "dtype", "device",
     "device_name", "lora_kernel", "attention", "seed", "deterministic",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from base_engine import LLM, SamplingParams
-from tests.engine.oracle import assert_greedy_match, hf_greedy
+from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
 
 MAX_NEW = 10

@@ -1,4 +1,5 @@
-"""config.json fields one by one, on the published Llama 3.1 8B config (tests/engine/published_configs.py):
+"""config.json fields one by one, on the published Llama 3.1 8B config
+(tests/base_engine/published_configs.py):
 both RoPE forms (transformers 5's rope_parameters, the legacy `type` key), eos ids from config.json and
 generation_config.json, dtype fields, and refusals that name the file and the field.
 """
@@ -14,7 +15,7 @@ import torch
 from transformers import AutoConfig
 
 from base_engine.model.config import load_model_config
-from tests.engine.published_configs import (
+from tests.base_engine.published_configs import (
     LLAMA31_8B,
     write_config,
 )

@@ -1,7 +1,7 @@
 """Request bodies past `max_request_body_bytes` are refused with 413 before the server holds them, and
 bodies slower than `request_body_timeout_s` with 408 (api/http/body_limit.py), against a real server with a
 4 KiB / 2 s limit; adapter uploads keep their own limit. Headers slower than `request_header_timeout_s`
-(1.5 s here) get 408 too (api/http/header_timeout.py; its own tests: tests/api/test_header_timeout.py).
+(1.5 s here) get 408 too (api/http/header_timeout.py; its own tests: tests/api/http/test_header_timeout.py).
 
 Without the limit, one unauthenticated 400 MiB POST to /v1/completions made the server hold ~825 MB.
 """

@@ -15,7 +15,7 @@ import pytest
 
 from migrations.api import current_revision, head_revision
 from registry.db import make_engine
-from tests.fleet.upgrade_race import upgrade_racing
+from tests.api.fleet.upgrade_race import upgrade_racing
 from tests.harness.postgres import new_database
 from tests.harness.s3 import s3_backend
 from tests.harness.servers import ADMIN_KEY, LORASERVE

@@ -143,7 +143,7 @@ def test_ray_serve_config_is_valid_and_builds() -> None:
     serve_schema = pytest.importorskip("ray.serve.schema")
     from api.fleet.ray_app import build_app
 
-    config = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "ray-serve.yaml").read_text())
+    config = yaml.safe_load((Path(__file__).parents[3] / "deploy" / "ray-serve.yaml").read_text())
     serve_schema.ServeDeploySchema.model_validate(config)
     (app,) = config["applications"]
     assert app["import_path"] == "api.fleet.ray_app:build_app"

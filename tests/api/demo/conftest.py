@@ -13,7 +13,7 @@ import pytest
 
 from api.checkpoints.sources import ensure_default_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODELS_DIR = ROOT / "loraserve-data" / "models"
 
 

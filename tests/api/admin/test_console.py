@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from tests.api.console_helpers import peft_adapter
+from tests.api.admin.console_helpers import peft_adapter
 from tests.harness.servers import Server
 from tests.harness.wait import wait_for
 

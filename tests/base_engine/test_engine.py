@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from base_engine import LLM, SamplingParams
-from tests.engine.oracle import assert_same_generation
+from tests.base_engine.oracle import assert_same_generation
 from tests.harness.engine_inputs import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from api.state import AppState
 from api.tenancy.plan_gate import PlanGate
-from tests.api import console_helpers as ch
+from tests.api.admin import console_helpers as ch
 
 SLOW = "SLOW-TO-TOKENIZE "
 

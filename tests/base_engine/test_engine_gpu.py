@@ -14,7 +14,7 @@ from base_engine import LLM, SamplingParams
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
 from base_engine.model.config import load_model_config
-from tests.engine.oracle import assert_greedy_match
+from tests.base_engine.oracle import assert_greedy_match
 from tests.harness.engine_inputs import random_prompts
 
 pytestmark = pytest.mark.gpu
