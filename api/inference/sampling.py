@@ -156,7 +156,13 @@ def refuse_unfittable_text(tokenizer: Any, text: str, max_model_len: int, param:
 
 def _max_tokens(body: CompletionRequest | ChatCompletionRequest, num_prompt: int, max_model_len: int) -> int:
     is_chat = isinstance(body, ChatCompletionRequest)
-    asked = body.max_completion_tokens or body.max_tokens if is_chat else body.max_tokens
+    asked, asked_param = body.max_tokens, "max_tokens"
+    if is_chat and body.max_completion_tokens is not None:  # it wins when given, whatever its value
+        asked, asked_param = body.max_completion_tokens, "max_completion_tokens"
+    if asked is not None and asked < 1:  # as the protocol's own check: 0 is a 400, never "absent"
+        raise APIError(
+            400, f"{asked_param} must be at least 1, got {asked}", param=asked_param, code="invalid_value"
+        )
     param = "messages" if is_chat else "prompt"
     remaining = max_model_len - num_prompt
     if asked is None:
