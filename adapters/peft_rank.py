@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,30 @@ class LoraSpec:
             patterns = self.rank_pattern if which == "rank" else self.alpha_pattern
             self._indexes[which] = _PatternIndex(patterns, self.patterns)
         return self._indexes[which]
+
+
+# `lora_alpha`, `alpha_pattern` values and ranks are used as floats (the scale is alpha / r): a JSON
+# integer beyond the float range (e.g. 2**1100) is refused here, a large finite one by the delta bound.
+MAX_ALPHA = sys.float_info.max
+MAX_RANK = 1 << 31  # a factor's dimension; the engine's max_lora_rank is far below
+
+
+def _alpha(name: str, value: int | float) -> float:
+    if isinstance(value, int) and not -MAX_ALPHA <= value <= MAX_ALPHA:
+        raise AdapterFormatError(
+            f"adapter_config.json: {name} is an integer of {value.bit_length()} bits, beyond the limit "
+            f"of {MAX_ALPHA:.4g} (the largest float64)"
+        )
+    return float(value)
+
+
+def _rank(name: str, value: int) -> int:
+    if value > MAX_RANK:
+        raise AdapterFormatError(
+            f"adapter_config.json: {name} is an integer of {value.bit_length()} bits, above the limit of "
+            f"{MAX_RANK}"
+        )
+    return value
 
 
 _LITERAL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.")
@@ -106,11 +131,14 @@ def parse_spec(cfg: dict[str, Any]) -> LoraSpec:
     for key, value in rank_pattern.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise AdapterFormatError(f"rank_pattern[{key!r}]={value!r}, expected a positive int")
+        _rank(f"rank_pattern[{key!r}]", value)
     for key, value in alpha_pattern.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise AdapterFormatError(f"alpha_pattern[{key!r}]={value!r}, expected a number")
     if r <= 0:
         raise AdapterFormatError(f"r={r}, expected a positive int")
+    _rank("r", r)
+    alphas = {key: _alpha(f"alpha_pattern[{key!r}]", value) for key, value in alpha_pattern.items()}
     cache = PatternCache()
     with cache.timed():
         for name, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
@@ -118,4 +146,5 @@ def parse_spec(cfg: dict[str, Any]) -> LoraSpec:
                 _suffix_pattern(cache, key, name)  # refuses what RE2 cannot match as PEFT would
     use_rslora = check_type(cfg, "use_rslora", bool, False)
     has_velora = not is_default(cfg.get("velora_config"))
-    return LoraSpec(r, float(alpha), use_rslora, dict(rank_pattern), dict(alpha_pattern), has_velora, cache)
+    lora_alpha = _alpha("lora_alpha", alpha)
+    return LoraSpec(r, lora_alpha, use_rslora, dict(rank_pattern), alphas, has_velora, cache)

@@ -6,7 +6,9 @@ PEFT matches `target_modules` / `exclude_modules` (a string), `layers_pattern` a
 accepted only when
 
 1. it is ASCII, at most `MAX_PATTERN_CHARS` long (and a config's patterns together at most
-   `MAX_TOTAL_PATTERN_CHARS`, checked by adapters/peft_fields.py);
+   `MAX_TOTAL_PATTERN_CHARS`, checked by adapters/peft_fields.py), with groups nested at most
+   `MAX_GROUP_DEPTH` deep (Python's `re` compiles groups recursively: 500 nested parentheses exhaust
+   the interpreter's stack);
 2. Python's `re` compiles it, exactly as PEFT would see it (so we never accept what PEFT refuses);
 3. it avoids the few constructs that both engines accept but read differently: Python 3.11's
    `x{,n}` (RE2: the literal text), a POSIX class `[[:alpha:]]` (Python: a set of `[`, `:`, ...)
@@ -40,6 +42,7 @@ from adapters.types import AdapterFormatError
 MAX_PATTERN_CHARS = 1024  # one pattern (PEFT's real ones are tens of characters)
 MAX_TOTAL_PATTERN_CHARS = 64 << 10  # all patterns of one adapter_config.json together
 MAX_PATTERN_KEYS = 1024  # entries of rank_pattern / alpha_pattern (one per module is 7 * layers)
+MAX_GROUP_DEPTH = 32  # nested groups in one tenant pattern (PEFT's real ones: 1-3)
 MAX_RE2_MEMORY = 256 << 10  # RE2's budget for one compiled program and its DFA cache
 # CPU seconds one config's patterns may spend matching module names (per PatternCache). Linear time
 # still multiplies: 2 x 1024 pattern keys x 7 x 126 projections is ~2M matches, ~100 s when each
@@ -51,6 +54,7 @@ _RE2_OPTIONS.max_mem = MAX_RE2_MEMORY
 _RE2_OPTIONS.log_errors = False
 
 __all__ = [
+    "MAX_GROUP_DEPTH",
     "MAX_PATTERN_CHARS",
     "MAX_PATTERN_KEYS",
     "MAX_TOTAL_PATTERN_CHARS",
@@ -96,6 +100,32 @@ def _divergent_construct(pattern: str) -> str | None:
     return None
 
 
+def _group_depth(pattern: str) -> int:
+    """How deep the parentheses of `pattern` nest (escapes and character classes skipped)."""
+    depth = deepest = 0
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "^":
+                i += 1
+            if pattern[i + 1 : i + 2] == "]":  # a leading ']' is a literal in the class
+                i += 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
 class _Refused(Exception):
     pass
 
@@ -110,10 +140,15 @@ def _compile(pattern: str, template: str) -> LinearPattern:
     divergent = _divergent_construct(pattern)
     if divergent is not None:
         raise _Refused(f"uses {divergent}, which is not supported")
+    depth = _group_depth(pattern)
+    if depth > MAX_GROUP_DEPTH:
+        raise _Refused(f"nests groups {depth} deep, more than the limit of {MAX_GROUP_DEPTH}")
     try:
         re.compile(full)  # PEFT's syntax: what Python refuses, PEFT would fail on
     except re.error as exc:
         raise _Refused(f"is invalid ({exc})") from None
+    except RecursionError:  # a nesting the count above missed: still a refusal, never a crash
+        raise _Refused(f"nests too deep for Python's re (limit {MAX_GROUP_DEPTH} groups)") from None
     try:
         return LinearPattern(re2.compile(full.encode(), _RE2_OPTIONS))
     except re2.error as exc:

@@ -201,13 +201,11 @@ def _inference(
     defaults = TenantQuotas(
         rpm=settings.default_rpm, tpm=settings.default_tpm, max_concurrent=settings.default_max_concurrent
     )
-    # Each fleet replica draws its own seed stream (a single server: the seed alone, the same every start).
-    replica = settings.replica_name if settings.fleet else None
     return Inference(
         engine=engine,
         model_name=settings.model_name,
         server_secret=server_secret,
-        seeds=SeedSource(settings.seed, replica),
+        seeds=SeedSource(server_secret, settings.seed),
         provenance=provenance,
         is_deterministic=settings.deterministic,
         request_timeout_s=settings.request_timeout_s,

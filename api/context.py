@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -74,6 +74,8 @@ class RequestContext:
     provenance: Provenance | None = (
         None  # what produces the answer (api/inference/provenance.py), set when planned
     )
+    # Called with the billed usage when the request ends in the engine (admission's quota release).
+    on_end: list[Callable[[Usage], None]] = field(default_factory=list)
 
     @property
     def estimated_tokens(self) -> int:

@@ -123,8 +123,10 @@ class LoraReplica:
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(PREFETCH_TIMEOUT_S, self.state.settings.request_timeout_s)
+        wait_s = 0.02  # doubling to 0.2 s: a slow load is not polled 50 times a second per adapter
         while not await self.state.engine.prefetch_adapter(ref) and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(wait_s)
+            wait_s = min(wait_s * 2, 0.2)
         return ResidentAdapter(model_id, info)
 
     def _resolve(self, model_id: str) -> AdapterVersionInfo | None:

@@ -5,7 +5,9 @@ and is the single observer api registers on `AsyncEngine.on_finished`. When the 
 of an HTTP request has ended (finished, aborted, failed, or `discard`ed: never submitted, so aborted
 with no tokens), it calls, in this order, `meter.finish` (bill it once) and `metrics.request_finished`
 with the final outputs in choice order, on the engine's dispatcher thread (or the caller's, for
-`discard`). The meter runs first so usage reads right after a response see its record.
+`discard`). The meter runs first so usage reads right after a response see its record; then the
+context's `on_end` hooks get the same usage the meter billed (the tenant's quota is corrected with
+it, also when the client left before its usage was known).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from api.context import RequestContext
+from api.context import RequestContext, compute_usage
 from api.metering.request_meter import Meter
 from api.metrics.recorder import MetricsRecorder
 from base_engine.async_engine import EngineRequest
@@ -69,10 +71,19 @@ class InFlight:
             self._meter.finish(ctx, finals)
         except Exception:  # noqa: BLE001
             logger.exception("metering failed for request %s", ctx.request_id)
+        self._run_end_hooks(ctx, finals)
         try:
             self._metrics.request_finished(ctx, finals)
         except Exception:  # noqa: BLE001
             logger.exception("metrics failed for request %s", ctx.request_id)
+
+    def _run_end_hooks(self, ctx: RequestContext, finals: list[RequestOutput]) -> None:
+        try:
+            usage = compute_usage(finals, n=ctx.n)
+            for hook in ctx.on_end:
+                hook(usage)
+        except Exception:  # noqa: BLE001
+            logger.exception("end hooks failed for request %s", ctx.request_id)
 
     def abort_all(self, reason: str, abort: Callable[[str], None]) -> int:
         """Abort every in-flight engine request with `abort(engine_request_id)`; returns how many."""

@@ -94,7 +94,7 @@ def plan_generation(
         n=body.n or 1,
         num_prompt_tokens=sum(len(p) for p in prompts),
     )
-    seed = request_seed(body, inference.seeds)
+    seed = request_seed(body, inference.seeds, ctx.request_id)
     deterministic = inference.is_deterministic or bool(body.deterministic)
     if deterministic and (reason := engine.determinism_refusal()) is not None:
         raise APIError(400, reason, param="deterministic", code="unsupported_value")

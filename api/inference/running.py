@@ -46,7 +46,9 @@ async def run_choices(
                 queue.put_nowait((index, out))
         except ValueError as exc:  # refused by the engine's own validation: it never saw the request
             failed = failed_output(request, str(exc))
-            inflight.on_engine_finished(failed)  # so the request still ends (and is metered) once
+            # So the request still ends (and is metered) once: off the event loop, like every other
+            # end (the engine's dispatcher thread), since the meter and the quotas may do I/O.
+            await asyncio.to_thread(inflight.on_engine_finished, failed)
             queue.put_nowait((index, failed))
 
     plan.is_started = True

@@ -12,8 +12,10 @@ each only where it differs from transformers' GenerationConfig default (vLLM rea
 `to_diff_dict()`), then SamplingParams' own defaults.
 
 Seeds and `deterministic`: every request runs with a seed; one that sends none gets one drawn
-by the server (63 bits, `SeedSource`: a stream seeded by `--seed`, default 0, as vLLM seeds its engine),
-reported in its provenance header, so any sampled answer can be replayed. The engine gives each seeded
+by the server (63 bits, `SeedSource`: HMAC-SHA256 of the request id under the server secret, with
+`--seed` mixed into the key), reported in its provenance header and usage record, so any sampled answer
+can be replayed. No counter is shared between requests, so a tenant learns nothing from its seeds about
+other tenants' requests or seeds. The engine gives each seeded
 request its own generator: ~14 us once at admission, and a sampled row then draws its number alone, ~16
 us per row and step against ~2 us in the shared batched draw (measured on the 2-core dev machine: +1 ms
 per step at 64 sampled rows, lost in the noise of bench-small's end-to-end throughput there); greedy
@@ -26,9 +28,9 @@ clients that always send the field keep working.
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import json
-import random
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -77,23 +79,23 @@ def derive_seed(seed: int | None, index: int) -> int | None:
 
 
 class SeedSource:
-    """The seeds drawn for requests that send none: a stream of 63-bit numbers seeded by the server's
-    `seed` setting (and, in a fleet, its replica id, so replicas draw different streams). As with vLLM's
-    `--seed`, a server started again with the same seed draws the same sequence: a run of unseeded
-    requests replays after a restart, and a test suite's sampled answers are the same every run."""
+    """The seeds of requests that send none: HMAC-SHA256(key, request id) truncated to 63 bits, the key
+    being the server secret with the server's `seed` setting mixed in. Unpredictable without the secret,
+    the same for the same secret, seed and request id (a fleet's replicas share the secret, so a request
+    retried on another replica under its id keeps its seed), and stateless: nothing is shared between
+    requests. An answer replays from the seed its provenance and usage record report."""
 
-    def __init__(self, seed: int, replica_id: str | None = None) -> None:
-        self._rng = random.Random(f"{seed}:{replica_id or ''}")
-        self._lock = threading.Lock()  # requests are planned on worker threads
+    def __init__(self, server_secret: str, seed: int = 0) -> None:
+        self._key = hashlib.sha256(f"loraserve-seed:{seed}:{server_secret}".encode()).digest()
 
-    def draw(self) -> int:
-        with self._lock:
-            return self._rng.getrandbits(63)
+    def draw(self, request_id: str) -> int:
+        digest = hmac.new(self._key, request_id.encode(), hashlib.sha256).digest()
+        return int.from_bytes(digest[:8], "big") >> 1  # 63 bits
 
 
-def request_seed(body: CompletionRequest | ChatCompletionRequest, seeds: SeedSource) -> int:
-    """The seed of the request's first choice: the one it sent, else the next drawn one."""
-    return body.seed if body.seed is not None else seeds.draw()
+def request_seed(body: CompletionRequest | ChatCompletionRequest, seeds: SeedSource, request_id: str) -> int:
+    """The seed of the request's first choice: the one it sent, else the one drawn for its id."""
+    return body.seed if body.seed is not None else seeds.draw(request_id)
 
 
 def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list[int]]:
@@ -154,7 +156,13 @@ def refuse_unfittable_text(tokenizer: Any, text: str, max_model_len: int, param:
 
 def _max_tokens(body: CompletionRequest | ChatCompletionRequest, num_prompt: int, max_model_len: int) -> int:
     is_chat = isinstance(body, ChatCompletionRequest)
-    asked = body.max_completion_tokens or body.max_tokens if is_chat else body.max_tokens
+    asked, asked_param = body.max_tokens, "max_tokens"
+    if is_chat and body.max_completion_tokens is not None:  # it wins when given, whatever its value
+        asked, asked_param = body.max_completion_tokens, "max_completion_tokens"
+    if asked is not None and asked < 1:  # as the protocol's own check: 0 is a 400, never "absent"
+        raise APIError(
+            400, f"{asked_param} must be at least 1, got {asked}", param=asked_param, code="invalid_value"
+        )
     param = "messages" if is_chat else "prompt"
     remaining = max_model_len - num_prompt
     if asked is None:

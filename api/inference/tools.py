@@ -93,6 +93,30 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
+# JSON nesting of one tool's `parameters` schema (real ones: under 10). The chat template renders the
+# schema recursively, so a schema nested some hundreds deep would exhaust the interpreter's stack.
+MAX_TOOL_SCHEMA_DEPTH = 64
+
+
+def _json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of parsed JSON (`{}` is 1), walked without recursion; stops once past `limit`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= limit:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _check_schema_depths(tools: list[ToolDefinition]) -> None:
+    for i, tool in enumerate(tools):
+        if _json_depth(tool.function.parameters, MAX_TOOL_SCHEMA_DEPTH) > MAX_TOOL_SCHEMA_DEPTH:
+            param = f"tools[{i}].function.parameters"
+            raise _bad(f"{param} nests deeper than the limit of {MAX_TOOL_SCHEMA_DEPTH} levels", param)
+
+
 def plan_tools(body: ChatCompletionRequest, tokenizer: Any, override: str | None = None) -> ToolPlan | None:
     """Checks `tools`, `tool_choice` and `parallel_tool_calls` together; None without tools."""
     tools = body.tools or []
@@ -104,6 +128,7 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Any, override: str | None
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise _bad("tool function names must be unique", "tools")
+    _check_schema_depths(tools)
     fmt = override if override and override != "auto" else detect_format(tokenizer)
     if fmt is None:
         raise _bad(

@@ -43,7 +43,13 @@ WAITING_WINDOW_S = 5.0  # a refused tenant counts as waiting for a slot this lon
 
 
 class Ticket:
-    """Held while a request's engine requests are in flight; `release` is idempotent."""
+    """Held while a request's engine requests are in flight; `release` and `end` are idempotent.
+
+    The slot goes back with `release`. The tenant's quota goes back once, with the first known usage:
+    `release(usage)` when the response knew it, else `end(usage)` from the request's end in the engine
+    (the figure metering bills), so a request cut off before its usage was known (disconnect,
+    timeout) is not charged its whole estimate.
+    """
 
     def __init__(self, admission: Admission, num: int, tenant: str | None = None) -> None:
         self._admission = admission
@@ -51,15 +57,26 @@ class Ticket:
         self.tenant = tenant
         self.release_quota: Release = release_nothing  # the tenant's quotas, set by `admit`
         self._released = False
+        self._quota_released = False
+        self._quota_lock = threading.Lock()
 
     def release(self, usage: Usage | None = None) -> None:
-        if self._released:
-            return
-        self._released = True
-        self._admission._release(self.num, self.tenant)
+        """Give the slot back, and the quota too when `usage` is known."""
+        if not self._released:
+            self._released = True
+            self._admission._release(self.num, self.tenant)
+        if usage is not None:
+            self.end(usage)
+
+    def end(self, usage: Usage) -> None:
+        """The request's end with its final usage: gives the tenant's quota back (once)."""
+        with self._quota_lock:
+            if self._quota_released:
+                return
+            self._quota_released = True
         try:
             self.release_quota(usage)
-        except Exception:  # noqa: BLE001 - a failing quota release must not leak the admission slot
+        except Exception:  # noqa: BLE001 - a failing quota release must not break the request's end
             logger.exception("quota release failed")
 
 
@@ -171,5 +188,6 @@ def admit(
         release_quota(NOT_ADMITTED)
         raise
     ticket.release_quota = release_quota
+    ctx.on_end.append(ticket.end)  # the request's end gives the quota back with what it billed
     meter.begin(ctx)
     return ticket

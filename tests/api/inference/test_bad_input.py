@@ -258,3 +258,41 @@ def test_a_text_too_long_for_any_encoding_is_refused_before_it_is_encoded(
     )
     error = assert_error(r, 400, param="prompt", code="context_length_exceeded")
     assert "in the prompt, 1 in the completion" in error["message"] and encoded == [len(text) - 1]
+
+
+def _deep_schema(depth: int) -> str:
+    # Built as text: json.dumps itself recurses and cannot write it.
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+
+
+def test_a_tool_schema_nested_900_deep_is_400_naming_the_limit(
+    client: TestClient, tenant: dict[str, Any], app_state: tuple[FastAPI, AppState]
+) -> None:
+    from api.inference.tools import MAX_TOOL_SCHEMA_DEPTH
+
+    model = app_state[1].model_name
+    tool = '{"type": "function", "function": {"name": "f", "parameters": %s}}'
+    messages = '[{"role": "user", "content": "hi"}]'
+    tools = "[" + tool % _deep_schema(450) + "]"  # 900 JSON levels below `parameters`
+    body = f'{{"model": "{model}", "messages": {messages}, "max_tokens": 1, "tools": {tools}}}'
+    headers = {**auth(tenant), "Content-Type": "application/json"}
+    r = client.post("/v1/chat/completions", content=body, headers=headers)
+    error = assert_error(r, 400, param="tools[0].function.parameters", code="invalid_value")
+    assert f"limit of {MAX_TOOL_SCHEMA_DEPTH} levels" in error["message"]
+    fine = body.replace(_deep_schema(450), _deep_schema(3))
+    shallow = client.post("/v1/chat/completions", content=fine, headers=headers)
+    # Past the depth check (this tiny model's context may still be too short for the rendered tools).
+    assert shallow.status_code == 200 or shallow.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_an_upload_with_an_integer_alpha_beyond_the_float_range_is_400(
+    client: TestClient, tenant: dict[str, Any], tmp_path: Path
+) -> None:
+    files = files_of(peft_adapter(tmp_path / "alpha"))
+    config = json.loads(files[CONFIG])
+    hostile = {**files, CONFIG: json.dumps({**config, "lora_alpha": 2**1100}).encode()}
+    error = assert_error(_upload(client, tenant, "huge-alpha", hostile), 400, code="invalid_adapter")
+    assert "lora_alpha" in error["message"] and "limit of 1.798e+308" in error["message"]
+    listing = client.get("/v1/adapters", headers=auth(tenant)).json()["data"]
+    assert "huge-alpha" not in {a["name"] for a in listing}  # nothing left behind
+    assert _upload(client, tenant, "huge-alpha", files).status_code == 201  # the name is still free

@@ -137,18 +137,32 @@ def test_journal_keeps_provenance_across_a_crash() -> None:
 
 def test_seeds_are_drawn_and_server_wide_deterministic_wins() -> None:
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], deterministic=False)
-    source = SeedSource(0)
-    seeds = [request_seed(body, source) for _ in range(50)]
+    source = SeedSource("secret")
+    seeds = [request_seed(body, source, f"cmpl-{i}") for i in range(50)]
     assert len(set(seeds)) == 50 and all(0 <= s < 2**63 for s in seeds)
-    assert request_seed(body.model_copy(update={"seed": -3}), source) == -3
-    # The stream follows the server's seed (a restart replays it) and differs per seed and per replica.
-    assert [request_seed(body, SeedSource(0)) for _ in range(1)] == seeds[:1]
-    again = SeedSource(0)
-    assert [again.draw() for _ in range(50)] == seeds
-    assert SeedSource(1).draw() != seeds[0] and SeedSource(0, "replica-b").draw() != seeds[0]
-    # A fleet replica's stream is keyed by its name: the given id, else one unique to the process.
+    assert request_seed(body.model_copy(update={"seed": -3}), source, "cmpl-0") == -3
+    # The seed follows the secret, the server's seed and the request id (a restart replays it).
+    again = SeedSource("secret")
+    assert [again.draw(f"cmpl-{i}") for i in range(50)] == seeds
+    assert SeedSource("secret", 1).draw("cmpl-0") != seeds[0]
+    # A fleet replica's name: the given id, else one unique to the process.
     assert Settings(replica_id="r-1").replica_name == "r-1"
     assert Settings().replica_name == f"{socket.gethostname()}-{os.getpid()}"
     params = sampling_params(body, num_prompt=2, max_model_len=16, index=2, seed=10, deterministic=True)
     assert params.deterministic and params.seed == 12  # choice 2 of seed 10
     assert not sampling_params(body, num_prompt=2, max_model_len=16, index=0, seed=10).deterministic
+
+
+def test_drawn_seeds_are_keyed_by_the_server_secret_and_the_request_id() -> None:
+    # Two servers (two secrets) draw different seeds for the same request id; nothing is shared.
+    first, second = SeedSource("secret-a"), SeedSource("secret-b")
+    ids = [f"chatcmpl-{i:032x}" for i in range(20)]
+    assert all(first.draw(i) != second.draw(i) for i in ids)
+    # The same secret and id give the same seed, in any order and from any instance: no stream to locate.
+    assert [first.draw(i) for i in reversed(ids)] == [SeedSource("secret-a").draw(i) for i in reversed(ids)]
+    assert first.draw(ids[0]) == first.draw(ids[0])
+    # Not a counter: drawing for other ids in between changes nothing.
+    before = first.draw(ids[5])
+    for i in range(100):
+        first.draw(f"other-{i}")
+    assert first.draw(ids[5]) == before
