@@ -313,13 +313,34 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
             self.num_consecutive_failures += 1
             logger.exception("engine step failed (%d in a row)", self.num_consecutive_failures)
-            victims = self.engine.step_request_ids
-            if self.num_consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
-                victims = list(self.engine.requests)  # it cannot go on: nothing may wait forever
-            reason = f"engine error: {type(exc).__name__}: {exc}"
-            return [self.engine.fail(rid, reason) for rid in victims]
+            return self._fail_step(exc)
         self.num_consecutive_failures = 0
         return outputs
+
+    def _fail_step(self, exc: Exception) -> list[RequestOutput | None]:
+        """The finals the failed step already made, then a failed final for each other request of it.
+
+        A request whose finish itself raised is no longer in the engine: it still gets a failed final,
+        so its stream, its in-flight entry and its meter all end."""
+        finished = [out for out in self.engine.step_outputs if out.finished]
+        done = {out.request_id for out in finished}
+        victims = list(self.engine.step_request_ids)
+        if self.num_consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            victims += self.engine.requests  # it cannot go on: nothing may wait forever
+        reason = f"engine error: {type(exc).__name__}: {exc}"
+        outputs: list[RequestOutput | None] = list(finished)
+        for rid in dict.fromkeys(victims):
+            if rid not in done:
+                outputs.append(self._fail_request(rid, reason))
+        return outputs
+
+    def _fail_request(self, request_id: str, reason: str) -> RequestOutput:
+        try:
+            out = self.engine.fail(request_id, reason)
+        except Exception:  # noqa: BLE001 - its finish raised again: end its stream all the same
+            logger.exception("failing request %s raised", request_id)
+            out = None
+        return out or RequestOutput(request_id, [], [], "", finish_reason="error", error=reason)
 
     def _deliver_all(self, outputs: list[RequestOutput | None]) -> None:
         for out in outputs:

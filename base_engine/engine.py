@@ -107,6 +107,9 @@ class LLMEngine:
         self.detokenizers: dict[str, Detokenizer] = {}
         self.num_steps = 0
         self.step_request_ids: list[str] = []  # requests of the step in progress (failed if it raises)
+        # Outputs of the step in progress, appended as they are made: when a step raises, the finals
+        # of the requests it already finished are still here to be delivered.
+        self.step_outputs: list[RequestOutput] = []
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -207,7 +210,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self.step_request_ids = []
-        outputs = self._fail_unloadable()
+        self.step_outputs = outputs = []
+        outputs.extend(self._fail_unloadable())
         sched = self.scheduler.schedule()
         self.step_request_ids = [item.seq.request_id for item in sched.scheduled]
         for seq in sched.overflowed:
