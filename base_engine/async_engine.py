@@ -81,6 +81,8 @@ class AsyncEngine:
         # Finished outputs on their way to observers, then to their stream; None stops the thread.
         self._finished: queue.SimpleQueue[RequestOutput | None] = queue.SimpleQueue()
         self._dispatcher = threading.Thread(target=self._dispatch, name="loraserve-finished", daemon=True)
+        self._dispatcher_lock = threading.Lock()
+        self._dispatcher_stopped = False
         self._stats = engine.stats()
         self.num_consecutive_failures = 0  # failed steps since the last good one
         self.fatal_error: str | None = None  # set when the engine thread itself died
@@ -92,13 +94,30 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread, then the dispatcher once every final is dispatched. The engine
+        itself stays usable (see `close`)."""
         self._stop = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._finished.put(None)
+        if self._thread.is_alive():  # still in a step: it stops the dispatcher itself when it ends
+            logger.warning("engine thread still running %g s after shutdown; it stops on its own", timeout)
+            return
+        self._stop_dispatcher()
         if self._dispatcher.is_alive():
             self._dispatcher.join(timeout)
+
+    def close(self) -> None:
+        """After `shutdown`, by the engine's owner: release the engine's resources (the adapter
+        loader's threads). Nothing may use the engine after."""
+        self.engine.close()
+
+    def _stop_dispatcher(self) -> None:
+        """Once, after the engine thread's last final: the dispatcher ends after dispatching it."""
+        with self._dispatcher_lock:
+            if not self._dispatcher_stopped:
+                self._dispatcher_stopped = True
+                self._finished.put(None)
 
     @property
     def is_running(self) -> bool:
@@ -283,6 +302,9 @@ class AsyncEngine:
             logger.exception("engine thread died")
             for rid in list(self._streams):
                 self._deliver(RequestOutput(rid, [], [], "", finish_reason="error", error=self.fatal_error))
+        finally:
+            if self._stop:  # asked to stop: every final of this thread is queued, the dispatcher may end
+                self._stop_dispatcher()
 
     def _run_commands(self) -> None:
         while not self._commands.empty():

@@ -317,6 +317,11 @@ class LLMEngine:
         detok = self.detokenizers.pop(seq.request_id)
         return finish_output(seq, detok)
 
+    def close(self) -> None:
+        """Release what outlives a step: the adapter loader's threads. The engine's owner calls it
+        once it is done with the engine; nothing may step it after."""
+        self.lora.close()
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(

@@ -130,6 +130,9 @@ class LoraManager:
     def unpin(self, ref: AdapterRef) -> None:
         self.cache.unpin(ref)
 
+    def close(self) -> None:
+        self.cache.close()
+
     def stats(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> AdapterCacheStats:
         s = self.cache.stats
         residency = self.cache.residency()
