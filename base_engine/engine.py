@@ -210,7 +210,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self.step_request_ids = []
-        self.step_outputs = outputs = []
+        outputs: list[RequestOutput] = []
+        self.step_outputs = outputs  # the same list: what this step appends is seen if it raises
         outputs.extend(self._fail_unloadable())
         sched = self.scheduler.schedule()
         self.step_request_ids = [item.seq.request_id for item in sched.scheduled]
