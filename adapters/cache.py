@@ -124,6 +124,10 @@ class AdapterCache:
     def forget_failure(self, ref: AdapterRef) -> None:
         self.loader.forget(ref)
 
+    def close(self) -> None:
+        """Stop the loader's threads (loads in flight are cancelled); the cache loads nothing after."""
+        self.loader.shutdown()
+
     def _trim_host(self, keep: str | None = None) -> None:
         """Evict host copies LRU down to max_cpu_loras. Adapters in a device slot stay (they are its
         source) and `keep`, the adapter that just landed, stays: a waiting request wants it. When only

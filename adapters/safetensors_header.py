@@ -79,7 +79,7 @@ def mapped_tensors(data: mmap.mmap) -> dict[str, torch.Tensor]:
     for name, entry in header.items():
         dtype, count = _DTYPES[entry["dtype"]][0], math.prod(entry["shape"])
         if count == 0:
-            tensors[name] = torch.empty(entry["shape"], dtype=dtype)
+            tensors[name] = torch.empty(entry["shape"], dtype=dtype, device="cpu")
         else:
             offset = data_start + entry["data_offsets"][0]
             flat = torch.frombuffer(data, dtype=dtype, count=count, offset=offset)

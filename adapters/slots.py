@@ -70,7 +70,7 @@ class SlotPool:
 
     @staticmethod
     def bytes_per_slot(base: BaseModelShapes, max_rank: int, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
+        element = torch.empty((), dtype=dtype, device="cpu").element_size()
         per_layer = sum(sum(base.module_shape(m)) for mods in PACKED_PROJECTIONS.values() for m in mods)
         return per_layer * max_rank * base.num_layers * element
 

@@ -3,8 +3,9 @@
 `create_app(state)` takes a ready `AppState` (api/bootstrap.py builds one from settings; tests may
 build their own). The lifespan registers the in-flight requests as the engine's observer, starts the
 engine thread (and, in a fleet, the replica agent) and, on shutdown, drains, stops each service by
-name (`shut_down`: usage written, quotas' pending releases, pools, adapter fetches, the fleet agent)
-and stops the engine. The SIGTERM drain itself lives in api/server.py.
+name (`shut_down`: usage written, quotas' pending releases, pools, adapter fetches, the fleet agent,
+the registry database's connections), stops the engine and closes it (its adapter loader's threads).
+The SIGTERM drain itself lives in api/server.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
 
 from api.admin.console import install_console
 from api.bootstrap import build_console
@@ -52,6 +55,7 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
             await drain(state, timeout_s=0.0)
             await shut_down(state)
             state.engine.shutdown()
+            state.engine.close()  # this app owns the engine: its adapter loader's threads end here
             logger.info("engine stopped")
 
     app = FastAPI(title="loraserve", version="0.1.0", lifespan=lifespan)
@@ -114,6 +118,7 @@ async def shut_down(state: AppState) -> None:
         steps.append(("adapter fetches", inference.adapter_fetch.shutdown))
     if state.fleet_agent is not None:
         steps.append(("fleet agent", state.fleet_agent.stop))  # leaves the fleet, closes its database
+    steps.append(("registry database", lambda: _dispose_database(state.sessions)))  # after every writer
     for name, stop in steps:
         try:
             result = stop()
@@ -121,6 +126,13 @@ async def shut_down(state: AppState) -> None:
                 await result
         except Exception:  # noqa: BLE001 - one failing service must not keep the others running
             logger.exception("stopping the %s failed", name)
+
+
+def _dispose_database(sessions: sessionmaker[Session]) -> None:
+    """Close the pooled connections of the database engine the sessions are bound to."""
+    bind = sessions.kw.get("bind")
+    if isinstance(bind, Engine):
+        bind.dispose()
 
 
 def run_server(state: AppState) -> None:

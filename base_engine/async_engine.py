@@ -81,6 +81,8 @@ class AsyncEngine:
         # Finished outputs on their way to observers, then to their stream; None stops the thread.
         self._finished: queue.SimpleQueue[RequestOutput | None] = queue.SimpleQueue()
         self._dispatcher = threading.Thread(target=self._dispatch, name="loraserve-finished", daemon=True)
+        self._dispatcher_lock = threading.Lock()
+        self._dispatcher_stopped = False
         self._stats = engine.stats()
         self.num_consecutive_failures = 0  # failed steps since the last good one
         self.fatal_error: str | None = None  # set when the engine thread itself died
@@ -92,13 +94,30 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread, then the dispatcher once every final is dispatched. The engine
+        itself stays usable (see `close`)."""
         self._stop = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._finished.put(None)
+        if self._thread.is_alive():  # still in a step: it stops the dispatcher itself when it ends
+            logger.warning("engine thread still running %g s after shutdown; it stops on its own", timeout)
+            return
+        self._stop_dispatcher()
         if self._dispatcher.is_alive():
             self._dispatcher.join(timeout)
+
+    def close(self) -> None:
+        """After `shutdown`, by the engine's owner: release the engine's resources (the adapter
+        loader's threads). Nothing may use the engine after."""
+        self.engine.close()
+
+    def _stop_dispatcher(self) -> None:
+        """Once, after the engine thread's last final: the dispatcher ends after dispatching it."""
+        with self._dispatcher_lock:
+            if not self._dispatcher_stopped:
+                self._dispatcher_stopped = True
+                self._finished.put(None)
 
     @property
     def is_running(self) -> bool:
@@ -283,6 +302,9 @@ class AsyncEngine:
             logger.exception("engine thread died")
             for rid in list(self._streams):
                 self._deliver(RequestOutput(rid, [], [], "", finish_reason="error", error=self.fatal_error))
+        finally:
+            if self._stop:  # asked to stop: every final of this thread is queued, the dispatcher may end
+                self._stop_dispatcher()
 
     def _run_commands(self) -> None:
         while not self._commands.empty():
@@ -313,13 +335,34 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
             self.num_consecutive_failures += 1
             logger.exception("engine step failed (%d in a row)", self.num_consecutive_failures)
-            victims = self.engine.step_request_ids
-            if self.num_consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
-                victims = list(self.engine.requests)  # it cannot go on: nothing may wait forever
-            reason = f"engine error: {type(exc).__name__}: {exc}"
-            return [self.engine.fail(rid, reason) for rid in victims]
+            return self._fail_step(exc)
         self.num_consecutive_failures = 0
         return outputs
+
+    def _fail_step(self, exc: Exception) -> list[RequestOutput | None]:
+        """The finals the failed step already made, then a failed final for each other request of it.
+
+        A request whose finish itself raised is no longer in the engine: it still gets a failed final,
+        so its stream, its in-flight entry and its meter all end."""
+        finished = [out for out in self.engine.step_outputs if out.finished]
+        done = {out.request_id for out in finished}
+        victims = list(self.engine.step_request_ids)
+        if self.num_consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            victims += self.engine.requests  # it cannot go on: nothing may wait forever
+        reason = f"engine error: {type(exc).__name__}: {exc}"
+        outputs: list[RequestOutput | None] = list(finished)
+        for rid in dict.fromkeys(victims):
+            if rid not in done:
+                outputs.append(self._fail_request(rid, reason))
+        return outputs
+
+    def _fail_request(self, request_id: str, reason: str) -> RequestOutput:
+        try:
+            out = self.engine.fail(request_id, reason)
+        except Exception:  # noqa: BLE001 - its finish raised again: end its stream all the same
+            logger.exception("failing request %s raised", request_id)
+            out = None
+        return out or RequestOutput(request_id, [], [], "", finish_reason="error", error=reason)
 
     def _deliver_all(self, outputs: list[RequestOutput | None]) -> None:
         for out in outputs:

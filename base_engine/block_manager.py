@@ -102,7 +102,6 @@ class BlockManager:
             return 0
         num_full = (seq.num_tokens - 1) // self.block_size
         parent = prefix_root(seq)
-        self.num_prefix_queries += seq.num_tokens
         for i in range(num_full):
             block_hash = chain_hash(parent, seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
             block_id = self.hash_to_block.get(block_hash)
@@ -116,15 +115,24 @@ class BlockManager:
             seq.block_hashes.append(block_hash)
             parent = block_hash
         num_hit = len(seq.block_table) * self.block_size
-        self.num_prefix_hits += num_hit
+        queries, hits = self._lookup_counts(seq)
+        self.num_prefix_queries += queries
+        self.num_prefix_hits += hits
         return num_hit
+
+    def _lookup_counts(self, seq: Sequence) -> tuple[int, int]:
+        """(prompt tokens looked up, of those found) for seq's attached prefix. A preempted request
+        also matches its output tokens (recomputed like a prompt): those are not prompt tokens."""
+        num_prompt = len(seq.prompt_token_ids)
+        return num_prompt, min(len(seq.block_table) * self.block_size, num_prompt)
 
     def unmatch_prefix(self, seq: Sequence) -> None:
         """Give back what `match_prefix` attached to a request that could not start after all; the
         lookup is not counted twice when the request tries again."""
         if self.enable_prefix_caching:
-            self.num_prefix_queries -= seq.num_tokens
-            self.num_prefix_hits -= len(seq.block_table) * self.block_size
+            queries, hits = self._lookup_counts(seq)
+            self.num_prefix_queries -= queries
+            self.num_prefix_hits -= hits
         if seq.block_table:
             self.free_sequence(seq)
 

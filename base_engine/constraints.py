@@ -242,7 +242,7 @@ def _parallel_executor() -> Any:
 def allowed_tokens(constraints: Sequence[GrammarConstraint], vocab: int) -> Tensor:
     """[len(constraints), vocab] bool on the CPU: the tokens each constraint allows next."""
     words = max(c.num_words for c in constraints)
-    bitmask = torch.zeros(len(constraints), words, dtype=torch.int32)
+    bitmask = torch.zeros(len(constraints), words, dtype=torch.int32, device="cpu")
     matchers = [(c.matcher, i) for i, c in enumerate(constraints) if not c.matcher.is_error()]
     same_size = all(c.num_words == words for c in constraints)
     if len(matchers) >= _PARALLEL_MIN_ROWS and len(matchers) == len(constraints) and same_size:

@@ -107,6 +107,9 @@ class LLMEngine:
         self.detokenizers: dict[str, Detokenizer] = {}
         self.num_steps = 0
         self.step_request_ids: list[str] = []  # requests of the step in progress (failed if it raises)
+        # Outputs of the step in progress, appended as they are made: when a step raises, the finals
+        # of the requests it already finished are still here to be delivered.
+        self.step_outputs: list[RequestOutput] = []
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -207,7 +210,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self.step_request_ids = []
-        outputs = self._fail_unloadable()
+        outputs: list[RequestOutput] = []
+        self.step_outputs = outputs  # the same list: what this step appends is seen if it raises
+        outputs.extend(self._fail_unloadable())
         sched = self.scheduler.schedule()
         self.step_request_ids = [item.seq.request_id for item in sched.scheduled]
         for seq in sched.overflowed:
@@ -312,6 +317,11 @@ class LLMEngine:
         del self.requests[seq.request_id]
         detok = self.detokenizers.pop(seq.request_id)
         return finish_output(seq, detok)
+
+    def close(self) -> None:
+        """Release what outlives a step: the adapter loader's threads. The engine's owner calls it
+        once it is done with the engine; nothing may step it after."""
+        self.lora.close()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

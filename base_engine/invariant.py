@@ -92,11 +92,11 @@ class GemmProbe:
 @torch.inference_mode()
 def _shape_is_invariant(out_features: int, in_features: int) -> bool:
     gen = torch.Generator().manual_seed(out_features * 7919 + in_features)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    row = torch.randn(in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen, device="cpu")
+    row = torch.randn(in_features, generator=gen, device="cpu")
     reference = invariant_linear(row[None], weight)[0]
     for rows in _PROBE_ROWS[1:]:
-        x = torch.randn(rows, in_features, generator=gen)
+        x = torch.randn(rows, in_features, generator=gen, device="cpu")
         at = (rows * 7) // 11
         x[at] = row
         if not torch.equal(invariant_linear(x, weight)[at], reference):

@@ -31,6 +31,16 @@ class LLM:
         )
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Release the engine this LLM owns (its adapter loader's threads); generate nothing after."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         return self.engine.tokenizer

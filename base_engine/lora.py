@@ -109,7 +109,7 @@ class LoraManager:
         if all(s < 0 for s in row_slots):
             return None  # a base-only step never touches the LoRA path
         # Built on the host (no device read inside the step), then one copy of each tensor.
-        host_slots = torch.tensor(row_slots, dtype=torch.long)
+        host_slots = torch.tensor(row_slots, dtype=torch.long, device="cpu")
         meta = build_meta(host_slots, self.cache.pool.num_slots, invariant=invariant)
         device = self.cache.device
         if device.type == "cpu":
@@ -129,6 +129,9 @@ class LoraManager:
 
     def unpin(self, ref: AdapterRef) -> None:
         self.cache.unpin(ref)
+
+    def close(self) -> None:
+        self.cache.close()
 
     def stats(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> AdapterCacheStats:
         s = self.cache.stats

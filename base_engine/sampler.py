@@ -116,11 +116,13 @@ class Sampler:
         """One U[0, 1) per row: from the row's generator when it has one, else from the sampler's."""
         seeded = [(i, r.generator) for i, r in enumerate(rows) if r.generator is not None]
         num_unseeded = len(rows) - len(seeded)
-        u = torch.rand(num_unseeded, dtype=torch.float64, generator=self._generator).tolist()
+        u = torch.rand(
+            num_unseeded, dtype=torch.float64, generator=self._generator, device=self._generator.device
+        ).tolist()
         for i, g in seeded:  # ascending i, so each insert lands at its row
             # Shape () regardless of the batch: the request's stream advances by one per step.
             u.insert(i, torch.rand((), dtype=torch.float64, generator=g, device=g.device).item())
-        return torch.tensor(u, dtype=torch.float64)
+        return torch.tensor(u, dtype=torch.float64, device="cpu")
 
 
 def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
@@ -160,7 +162,7 @@ def _token_counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -
     if lo < 0 or hi >= vocab:
         raise ValueError(f"token id out of range: got {lo if lo < 0 else hi}, expected 0 <= id < {vocab}")
     # lens [3, 1] -> row [0, 0, 0, 1]; flat index = row * vocab + token id
-    row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
+    row = torch.repeat_interleave(torch.arange(len(seqs), device="cpu"), torch.tensor(lens, device="cpu"))
     flat_index = (row * vocab + flat).to(device)
     counts.view(-1).scatter_add_(0, flat_index, torch.ones(total, device=device))
     return counts

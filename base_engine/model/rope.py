@@ -17,7 +17,7 @@ from base_engine.model.config import RopeConfig
 
 def _default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
     # inv_freq[i] = theta^(-2i/d), i in [0, d/2)   # [head_dim // 2] float32
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     return 1.0 / (theta**exponents)
 
 
@@ -65,9 +65,11 @@ def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp(
+        (torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
+    )
     extrapolation_weight = 1 - ramp  # 1 for fast dimensions (kept), 0 for slow ones (interpolated)
-    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).to(torch.float32) / head_dim)
+    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2, device="cpu").to(torch.float32) / head_dim)
     inv_freq = (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation_weight) + (
         1.0 / pos_freqs
     ) * extrapolation_weight

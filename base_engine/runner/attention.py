@@ -126,8 +126,8 @@ def chunk_mask(context_len: int, num_tokens: int, sliding_window: int | None) ->
     position and, with a sliding window W, position - j < W. None when plain causal SDPA suffices."""
     if context_len == 0 and sliding_window is None:
         return None
-    q_pos = torch.arange(context_len, context_len + num_tokens).unsqueeze(1)
-    k_pos = torch.arange(context_len + num_tokens).unsqueeze(0)
+    q_pos = torch.arange(context_len, context_len + num_tokens, device="cpu").unsqueeze(1)
+    k_pos = torch.arange(context_len + num_tokens, device="cpu").unsqueeze(0)
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= (q_pos - k_pos) < sliding_window

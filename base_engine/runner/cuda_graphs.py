@@ -114,7 +114,9 @@ class DecodeGraphs:
             num_slots = self.lora_pool.num_slots
             lora_meta = StaticMeta(size, max_segments=min(size, num_slots), num_slots=num_slots, device=dev)
             token_slots = torch.full((size,), -1, dtype=torch.long, device=dev)
-            lora = make_lora_batch(self.lora_pool, token_slots, lora_meta.update(torch.full((size,), -1)))
+            lora = make_lora_batch(
+                self.lora_pool, token_slots, lora_meta.update(torch.full((size,), -1, device="cpu"))
+            )
         return _Bucket(size, batch, paged, lora_meta, lora)
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch | None:
@@ -155,13 +157,13 @@ class DecodeGraphs:
         fresh = self._paged(bucket.size, lens, [s.seq.block_table for s in order], device="cpu")
         bucket.paged.copy_(fresh)
         if bucket.lora_meta is not None:
-            host_slots = torch.tensor(slots + [-1] * pad, dtype=torch.long)
+            host_slots = torch.tensor(slots + [-1] * pad, dtype=torch.long, device="cpu")
             # Same buffers (what a graph reads); the new host view serves the eager CPU twin.
             bucket.lora.meta = bucket.lora_meta.update(host_slots)
             bucket.lora.token_slots.copy_(self._host(host_slots.tolist()), non_blocking=True)
 
     def _host(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.long)
+        host = torch.tensor(values, dtype=torch.long, device="cpu")
         return host.pin_memory() if self.device.type == "cuda" else host
 
     @torch.inference_mode()

@@ -209,17 +209,17 @@ def _bucket(
     if always_mask or any(
         s.lo != 0 or s.hi != num_keys for s in spans
     ):  # e.g. one length filling whole blocks: none
-        key_pos = torch.arange(num_keys).unsqueeze(0)  # [1, L]
-        lo = torch.tensor([s.lo for s in spans]).unsqueeze(1)  # [n, 1]
-        hi = torch.tensor([s.hi for s in spans]).unsqueeze(1)
+        key_pos = torch.arange(num_keys, device="cpu").unsqueeze(0)  # [1, L]
+        lo = torch.tensor([s.lo for s in spans], device="cpu").unsqueeze(1)  # [n, 1]
+        hi = torch.tensor([s.hi for s in spans], device="cpu").unsqueeze(1)
         valid = (key_pos >= lo) & (key_pos < hi)  # [n, L]
-        mask = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
+        mask = torch.zeros(valid.shape, dtype=dtype, device="cpu").masked_fill_(~valid, float("-inf"))
         mask = mask.view(num, 1, 1, num_keys)
     first_row, last_row = spans[0].row, spans[-1].row
     return DecodeBucket(
-        rows=torch.tensor([s.row for s in spans], dtype=torch.long),
+        rows=torch.tensor([s.row for s in spans], dtype=torch.long, device="cpu"),
         first_row=first_row if last_row - first_row + 1 == num else None,
-        block_tables=torch.tensor(tables, dtype=torch.long),
+        block_tables=torch.tensor(tables, dtype=torch.long, device="cpu"),
         mask=mask,
         shared_keys=shared_keys,
     )

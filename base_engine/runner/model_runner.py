@@ -94,7 +94,9 @@ class ModelRunner:
             if _is_decode(item):
                 decode_rows.append(row)
             elif not self.use_paged and not invariant:
-                block_table = self.to_device(torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long))
+                block_table = self.to_device(
+                    torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long, device="cpu")
+                )
                 mask = chunk_mask(start, n, self.sliding_window)
                 mask = None if mask is None else self.to_device(mask)
                 chunks.append(PrefillChunk(row, n, start, block_table, mask))
@@ -105,10 +107,10 @@ class ModelRunner:
         else:
             meta = self._decode_meta(decodes, decode_rows)
             meta.prefills = chunks
-        meta.slot_mapping = self.to_device(torch.tensor(slots, dtype=torch.long))
+        meta.slot_mapping = self.to_device(torch.tensor(slots, dtype=torch.long, device="cpu"))
 
         def host(values: list[int]) -> torch.Tensor:
-            return self.to_device(torch.tensor(values, dtype=torch.long))
+            return self.to_device(torch.tensor(values, dtype=torch.long, device="cpu"))
 
         return StepBatch(
             order=order,
@@ -136,7 +138,7 @@ class ModelRunner:
         )
         self._buckets_to_device(buckets)
         return AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=buckets, prefills=[]
+            slot_mapping=torch.empty(0, dtype=torch.long, device="cpu"), decode_buckets=buckets, prefills=[]
         )
 
     def _buckets_to_device(self, buckets: list[DecodeBucket]) -> None:
@@ -158,7 +160,7 @@ class ModelRunner:
             dtype=self.dtype,
         )  # fmt: skip
         self._buckets_to_device(buckets)
-        empty = torch.empty(0, dtype=torch.long)
+        empty = torch.empty(0, dtype=torch.long, device="cpu")
         return AttentionMetadata(slot_mapping=empty, decode_buckets=buckets, prefills=[], invariant=True)
 
     def _paged_meta(
@@ -183,14 +185,17 @@ class ModelRunner:
             pad_block=self.null_block,
         )
         return AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.long), decode_buckets=[], prefills=[], paged=paged
+            slot_mapping=torch.empty(0, dtype=torch.long, device="cpu"),
+            decode_buckets=[],
+            prefills=[],
+            paged=paged,
         )
 
     def clear_blocks(self, block_ids: list[int]) -> None:
         """Zero blocks handed to new owners (whatever the previous owner left, NaN included)."""
         if not block_ids:
             return
-        index = self.to_device(torch.tensor(block_ids, dtype=torch.long))
+        index = self.to_device(torch.tensor(block_ids, dtype=torch.long, device="cpu"))
         for cache in self.kv_caches:
             cache.index_fill_(1, index, 0)
 
@@ -227,7 +232,7 @@ def allocate_kv_caches(
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
+    element = torch.empty((), dtype=dtype, device="cpu").element_size()
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
     return per_token * block_size
 

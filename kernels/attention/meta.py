@@ -126,7 +126,7 @@ def build_paged_meta(
     # one flat int32 buffer: [rows | dec lens | dec tables | starts | q lens | seq lens | pre tables]
     parts = [rows, dec_lens, [b for t in dec_tables for b in t], list(prefill_query_starts),
              list(prefill_query_lens), pre_lens, [b for t in pre_tables for b in t]]  # fmt: skip
-    host = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
+    host = torch.tensor([x for p in parts for x in p], dtype=torch.int32, device="cpu")
     if device.type == "cuda" if pin_memory is None else pin_memory:
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)

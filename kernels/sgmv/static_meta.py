@@ -42,7 +42,7 @@ class StaticMeta:
         num_rows = int(token_slots.shape[0])
         if num_rows > self.capacity:
             raise ValueError(f"{num_rows} rows exceed the capacity {self.capacity}")
-        padded = torch.full((self.capacity,), -1, dtype=torch.int64)
+        padded = torch.full((self.capacity,), -1, dtype=torch.int64, device="cpu")
         padded[:num_rows] = token_slots
         host = build_meta(padded, self.num_slots)
         num_segments, num_active = host.num_segments, host.num_active_rows
@@ -84,7 +84,7 @@ def _pad(values: tuple[int, ...], size: int, *, fill: int) -> list[int]:
 
 
 def _copy_in(buffer: Tensor, values: list[int]) -> None:
-    host = torch.tensor(values, dtype=buffer.dtype)
+    host = torch.tensor(values, dtype=buffer.dtype, device="cpu")
     if buffer.device.type == "cuda":
         buffer.copy_(host.pin_memory(), non_blocking=True)
     else:

@@ -15,7 +15,7 @@ from adapters.files import json_object
 from adapters.peft_rank import MAX_ALPHA, MAX_RANK, parse_spec
 from adapters.peft_targets import resolve_targets
 from adapters.safe_regex import MAX_GROUP_DEPTH, compile_pattern
-from tests.adapters.helpers import tiny_shapes
+from tests.harness.peft_adapters import tiny_shapes
 
 BASE: dict[str, Any] = {"peft_type": "LORA", "r": 8, "lora_alpha": 8}
 NESTED = "(" * 500 + "q_proj" + ")" * 500

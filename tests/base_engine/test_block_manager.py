@@ -166,3 +166,37 @@ def test_chunked_prefill_interleaves_with_decodes() -> None:
             item.seq.num_computed_tokens += item.num_new_tokens
             if item.is_sampled:
                 item.seq.output_token_ids.append(0)
+
+
+def test_prefix_lookup_of_a_preempted_request_counts_only_its_prompt_tokens() -> None:
+    """A recomputed request matches its output tokens too; the hit-rate stats count prompt tokens."""
+    bm = BlockManager(32, 4, enable_prefix_caching=True)
+    seq = make_seq("p", list(range(10, 19)), max_tokens=8)  # 9 prompt tokens: 2 full blocks
+    assert bm.match_prefix(seq) == 0
+    seq.output_token_ids += [1, 2, 3, 4, 5, 6, 7]  # 16 tokens: 4 full blocks, all computed
+    bm.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit_full_blocks(seq)
+    bm.free_sequence(seq)  # preempted: recomputed from its cached blocks
+    seq.num_computed_tokens = 0
+    assert bm.match_prefix(seq) == 12  # the 16th token is left to compute
+    assert bm.num_prefix_queries == 9 + 9
+    assert bm.num_prefix_hits == 0 + 9  # the prompt's 9 tokens were found, not the outputs' 3
+    bm.unmatch_prefix(seq)  # an admission rolled back gives back exactly what it counted
+    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (9, 0)
+
+
+def test_preempted_requests_count_their_prompt_once_per_admission() -> None:
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [make_seq(f"s{i}", [i, i + 1, i + 2], max_tokens=6) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    rng = random.Random(0)
+    for _ in range(200):
+        if not sched.has_unfinished:
+            break
+        fake_step(sched, rng)
+    assert not sched.has_unfinished and sched.num_preemptions > 0
+    assert bm.num_prefix_queries == sum(3 * (1 + s.num_preemptions) for s in seqs)
+    assert 0 <= bm.num_prefix_hits <= bm.num_prefix_queries

@@ -179,3 +179,50 @@ def test_blocked_observer_never_blocks_the_engine_thread(engine) -> None:
     short, final = asyncio.run(asyncio.wait_for(main(), 60))
     assert short.finish_reason == final.finish_reason == "length" and len(final.token_ids) == 40
     assert observed == ["short", "long"]
+
+
+def _finish_two_in_one_step(engine: AsyncEngine) -> tuple:
+    """Two one-token requests, both added before the step that finishes them both."""
+    gate = threading.Event()
+    engine._submit(lambda: gate.wait(30))  # hold the engine thread until both adds are queued behind
+
+    async def main():
+        one_token = SamplingParams(max_tokens=1, ignore_eos=True)
+        first = asyncio.create_task(_run(engine, "first", [5, 6, 7], one_token))
+        second = asyncio.create_task(_run(engine, "second", [8, 9, 10], one_token))
+        await asyncio.sleep(0.2)  # both generators have queued their adds
+        gate.set()
+        return await asyncio.wait_for(asyncio.gather(first, second), 20)
+
+    return asyncio.run(main())
+
+
+def _raise_on_second_call(real):
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure after a finish")
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("where", ["finish_output", "detokenizer_update"])
+def test_a_step_raising_after_a_finish_still_delivers_that_final(engine, monkeypatch, where) -> None:
+    """The first request's final, made before the step raised, arrives; the second ends failed."""
+    import base_engine.engine as engine_module
+    from base_engine.detokenizer import Detokenizer
+
+    if where == "finish_output":  # raises after the request left the engine's table
+        broken = _raise_on_second_call(engine_module.finish_output)
+        monkeypatch.setattr(engine_module, "finish_output", broken)
+    else:  # raises before its finish: the request is still in the engine
+        monkeypatch.setattr(Detokenizer, "update", _raise_on_second_call(Detokenizer.update))
+    first, second = _finish_two_in_one_step(engine)
+    assert first.finish_reason == "length" and len(first.token_ids) == 1
+    assert second.finish_reason == "error" and "injected failure after a finish" in second.error
+    assert engine.num_in_flight == 0 and engine.is_healthy
+    monkeypatch.undo()
+    assert asyncio.run(_run(engine, "after")).finish_reason == "length"

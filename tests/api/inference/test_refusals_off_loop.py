@@ -23,7 +23,7 @@ from api.state import AppState
 from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestOutput
 from base_engine.sampling_params import SamplingParams
-from tests.api.conftest import new_caller
+from tests.harness.callers import new_caller
 
 
 def _chat(**fields: object) -> ChatCompletionRequest:

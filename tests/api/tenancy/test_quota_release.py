@@ -14,7 +14,7 @@ import pytest
 from starlette.requests import Request
 
 from api.bootstrap import build_state
-from api.deps import Caller
+from api.context import Caller
 from api.inference import completions
 from api.inference.planning import plan_generation
 from api.inference.protocol import CompletionRequest
@@ -26,7 +26,7 @@ from api.tenancy.quota_gate import TenantQuotaGate
 from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestOutput
 from registry.usage import export_usage
-from tests.api.conftest import new_caller
+from tests.harness.callers import new_caller
 
 TPM = 100_000
 MAX_TOKENS = 120
