@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue #17): one command on one CUDA GPU, under 8 minutes on an H200. Prints one JSON
+# The GPU check: one command on one CUDA GPU, under 8 minutes on an H200. Prints one JSON
 # line per part, then a {"part": "summary", ...} line; exits 1 when a part that ran did not pass
 # (2 without a CUDA-enabled Python). Parts, in order:
 #   sgmv_grid        tests/kernels/test_gpu.py: SGMV compiled at Llama shapes vs the float64 oracle

@@ -2,7 +2,7 @@
 roofline: no adapter / one shared / 32 distinct rank-16 adapters at batch 32, and batch 1.
 
 The roofline of a decode step is (bytes of weights + adapters read) / HBM bandwidth; batch-1 decode
-should reach >= 70% of it, and 32 distinct adapters >= 0.9x the no-adapter decode (issue 17 targets).
+should reach >= 70% of it, and 32 distinct adapters >= 0.9x the no-adapter decode (the targets).
 Prints one JSON line. Needs CUDA; `--layers` trims the depth to keep the run short (the per-layer
 shapes, hence the ratios, stay those of the 8B model).
 """

@@ -1,4 +1,4 @@
-"""Slow-disk benchmark: decode inter-token latency with a 200 ms fsync injected, over without (issue 12.4).
+"""Slow-disk benchmark: decode inter-token latency with a 200 ms fsync injected, over without.
 
     python benchmarks/slow_fsync.py --json
 

@@ -4,7 +4,7 @@
     python benchmarks/throughput.py --suite lora --json   # target ratio >= 4.0 (baseline: + peft)
 
     python benchmarks/throughput.py --suite lora --model smollm2 --json   # the default served model
-    python benchmarks/throughput.py --suite lora --deterministic --json   # issue 18: cost <= 0.20
+    python benchmarks/throughput.py --suite lora --deterministic --json   # target: cost <= 0.20
 
 Prints one JSON line: engine_tok_s, hf_tok_s, ratio (only requested output tokens are counted).
 With --deterministic the baseline is our own engine: the same requests with and without
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default output)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--deterministic", action="store_true", help="cost of deterministic: true (issue 18)")
+    parser.add_argument("--deterministic", action="store_true", help="cost of deterministic: true")
     args = parser.parse_args()
     threads = setup_threads()
     from transformers import AutoModelForCausalLM

@@ -29,7 +29,7 @@ def write_report(path: Path, total_s: float, rerun: list[str] | None = None) -> 
         when = f"(rows of {', '.join(rerun)} re-run with `--cases` on {time.strftime('%Y-%m-%d')}): real"
         total_s = sum(r.get("seconds", 0) for r in rows)
     lines = [
-        "# Reliability figures (issue 13)",
+        "# Reliability figures",
         "",
         f"Written by `make reliability` (`reliability/run.py`) {when} "
         f"`loraserve serve` processes on 127.0.0.1 with the tiny random Llama, {os.cpu_count()} CPUs, "

@@ -118,7 +118,7 @@ def run_prefill(case: PrefillCase, backend: str, *, poisoned: bool, **kwargs) ->
 
 
 def check_decode(case: DecodeCase, backend: str, **kwargs) -> None:
-    """Matches the oracle, and the poisoned pool gives bit-identical rows (issue #12)."""
+    """Matches the oracle, and the poisoned pool gives bit-identical rows."""
     clean = run_decode(case, backend, poisoned=False, **kwargs)
     assert_close(clean, decode_oracle(case), case.dtype)
     poisoned = run_decode(case, backend, poisoned=True, **kwargs)

@@ -1,6 +1,6 @@
 """The Triton paged attention kernels, run by Triton's CPU interpreter (TRITON_INTERPRET=1, set in
 tests/conftest.py), against the float64 loop oracle; every case also runs on a pool whose unreadable
-slots hold NaN/Inf and must give bit-identical rows (issue #12).
+slots hold NaN/Inf and must give bit-identical rows.
 
 Interpreted programs are slow, so shapes stay small and the grid is sampled: every dtype x GQA group
 cell once per kernel, the other axes (block size 16/32, head_dim 64/128, KV heads, sliding window,

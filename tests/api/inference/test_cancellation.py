@@ -9,19 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from api.bootstrap import build_state
 from api.context import Caller
 from api.inference.planning import GenerationPlan, plan_generation
 from api.inference.protocol import CompletionRequest
-from api.inference.running import collect
-from api.metering.request_meter import RequestMeter
 from api.settings import Settings
 from api.state import AppState
-from api.tenancy.admission import Ticket, admit
 from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestOutput
 from registry.usage import export_usage
 from tests.harness.callers import new_caller
+from tests.harness.in_process import admit_plan, collect_plan, in_process_state, request_meter
 from tests.harness.wait import wait_for
 
 MAX_TOKENS = 120
@@ -36,41 +33,13 @@ def state(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         num_kv_blocks=64,
         max_model_len=256,
     )
-    state = build_state(settings)
-    state.engine.on_finished.append(state.inference.inflight.on_engine_finished)  # as the app's lifespan does
-    state.engine.start()
-    yield state
-    state.engine.shutdown()
-    state.inference.meter.stop()
+    with in_process_state(settings, start_engine=True) as state:
+        yield state
 
 
 @pytest.fixture(scope="module")
 def caller(state: AppState) -> Caller:
     return new_caller(state, "cancel")
-
-
-def _meter(state: AppState) -> RequestMeter:
-    meter = state.inference.meter
-    assert isinstance(meter, RequestMeter)
-    return meter
-
-
-def _admit(state: AppState, plan: GenerationPlan) -> Ticket:
-    inference = state.inference
-    return admit(
-        quotas=inference.quotas,
-        admission=inference.admission,
-        meter=inference.meter,
-        ctx=plan.ctx,
-        num_requests=len(plan.requests),
-    )
-
-
-async def _collect(state: AppState, plan: GenerationPlan) -> list[RequestOutput]:
-    inference = state.inference
-    return await collect(
-        engine=inference.engine, inflight=inference.inflight, timeout_s=inference.request_timeout_s, plan=plan
-    )
 
 
 def _plan(state: AppState, caller: Caller) -> GenerationPlan:
@@ -99,7 +68,7 @@ async def _cancel_during_handover(state: AppState, plan: GenerationPlan, after: 
 
     state.engine.generate = handover_then_cancel  # type: ignore[method-assign]
     try:
-        consumer = asyncio.create_task(_collect(state, plan))
+        consumer = asyncio.create_task(collect_plan(state, plan))
         with pytest.raises(asyncio.CancelledError):
             await consumer
     finally:
@@ -111,12 +80,12 @@ def test_cancel_landing_as_an_output_is_handed_over_aborts_the_request(
     state: AppState, caller: Caller, after: int
 ) -> None:
     plan = _plan(state, caller)
-    ticket = _admit(state, plan)
+    ticket = admit_plan(state, plan)
     try:
         asyncio.run(_cancel_during_handover(state, plan, after))
     finally:
         ticket.release(plan.ctx.usage)
-    meter = _meter(state)  # the engine thread ends the request
+    meter = request_meter(state)  # the engine thread ends the request
     wait_for(lambda: meter.in_flight(plan.ctx.request_id) is None, 30, interval=0.01, what="the request ends")
     meter.flush()
     with state.sessions() as session:

@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from api.bootstrap import build_state
 from api.context import RequestContext
 from api.errors import APIError
 from api.inference.planning import GenerationPlan
 from api.inference.protocol import ChatCompletionRequest
-from api.inference.running import collect
 from api.inference.sampling import sampling_params
 from api.settings import Settings
 from api.state import AppState
@@ -24,6 +22,7 @@ from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestOutput
 from base_engine.sampling_params import SamplingParams
 from tests.harness.callers import new_caller
+from tests.harness.in_process import collect_plan, in_process_state
 
 
 def _chat(**fields: object) -> ChatCompletionRequest:
@@ -66,9 +65,8 @@ def state(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         num_kv_blocks=64,
         max_model_len=128,
     )
-    state = build_state(settings)
-    yield state
-    state.inference.meter.stop()
+    with in_process_state(settings, start_engine=False) as state:
+        yield state
 
 
 def test_a_request_the_engine_refuses_is_metered_off_the_event_loop(
@@ -92,16 +90,9 @@ def test_a_request_the_engine_refuses_is_metered_off_the_event_loop(
         real_finish(ctx, finals)
 
     monkeypatch.setattr(meter, "finish", finish)
-    inference = state.inference
 
     async def run() -> tuple[list[RequestOutput], threading.Thread]:
-        finals = await collect(
-            engine=inference.engine,
-            inflight=inference.inflight,
-            timeout_s=inference.request_timeout_s,
-            plan=plan,
-        )
-        return finals, threading.current_thread()
+        return await collect_plan(state, plan), threading.current_thread()
 
     finals, loop_thread = asyncio.run(run())
     assert [o.finish_reason for o in finals] == ["error"]

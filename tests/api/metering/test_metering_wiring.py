@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from api.bootstrap import build_state
 from api.context import Caller, RequestContext
 from api.inference.planning import GenerationPlan, plan_generation
 from api.inference.protocol import CompletionRequest
-from api.inference.running import abandon_unstarted, collect
-from api.metering.request_meter import RequestMeter, usage_record
+from api.inference.running import abandon_unstarted
+from api.metering.request_meter import usage_record
 from api.settings import Settings
 from api.state import AppState
-from api.tenancy.admission import Ticket, admit
 from api.tenancy.quota_gate import TenantQuotaGate, quota_error
 from api.tenancy.quotas import QuotaExceededError
 from base_engine.async_engine import EngineRequest
@@ -27,6 +25,7 @@ from base_engine.outputs import RequestMetrics, RequestOutput
 from base_engine.sampling_params import SamplingParams
 from registry.usage import UsageRecord, export_usage
 from tests.harness.callers import new_caller
+from tests.harness.in_process import admit_plan, collect_plan, in_process_state, request_meter
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +34,8 @@ def state(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     settings = Settings(
         model=tiny_llama_dir, data_dir=data_dir, admin_key="lsa-w", num_kv_blocks=64, max_model_len=128
     )
-    state = build_state(settings)
-    yield state
-    state.inference.meter.stop()
+    with in_process_state(settings, start_engine=False) as state:
+        yield state
 
 
 @pytest.fixture(scope="module")
@@ -45,32 +43,8 @@ def caller(state: AppState) -> Caller:
     return new_caller(state, "wiring")
 
 
-def _meter(state: AppState) -> RequestMeter:
-    meter = state.inference.meter
-    assert isinstance(meter, RequestMeter)
-    return meter
-
-
-def _admit(state: AppState, plan: GenerationPlan) -> Ticket:
-    inference = state.inference
-    return admit(
-        quotas=inference.quotas,
-        admission=inference.admission,
-        meter=inference.meter,
-        ctx=plan.ctx,
-        num_requests=len(plan.requests),
-    )
-
-
-async def _collect(state: AppState, plan: GenerationPlan) -> list[RequestOutput]:
-    inference = state.inference
-    return await collect(
-        engine=inference.engine, inflight=inference.inflight, timeout_s=inference.request_timeout_s, plan=plan
-    )
-
-
 def records(state: AppState, tenant_id: str) -> dict[str, UsageRecord]:
-    meter = _meter(state)
+    meter = request_meter(state)
     meter.flush()
     with state.sessions() as session:
         return {r.request_id: r for r in export_usage(session, tenant_id=tenant_id, limit=10_000).records}
@@ -83,9 +57,9 @@ def test_admitted_request_whose_stream_never_started_is_billed_once(state: AppSt
             inference=state.inference, session=session, caller=caller, body=body, kind="completion"
         )
     ctx = plan.ctx
-    meter, quotas = _meter(state), state.inference.quotas
+    meter, quotas = request_meter(state), state.inference.quotas
     assert isinstance(quotas, TenantQuotaGate)
-    ticket = _admit(state, plan)
+    ticket = admit_plan(state, plan)
     assert meter.in_flight(ctx.request_id) is not None
     abandon_unstarted(
         inflight=state.inference.inflight, plan=plan
@@ -111,7 +85,7 @@ def test_request_refused_by_the_engine_after_admission_is_billed_once(
     )  # fmt: skip
     request = EngineRequest(ctx.request_id, prompt, SamplingParams(max_tokens=4), tenant_id=caller.tenant.id)
     plan = GenerationPlan(ctx, [request], stream=False, include_usage=False, num_top_logprobs=None)
-    finals = asyncio.run(_collect(state, plan))
+    finals = asyncio.run(collect_plan(state, plan))
     assert [o.finish_reason for o in finals] == ["error"]
     record = records(state, caller.tenant.id)[ctx.request_id]
     assert (record.finish_reason, record.prompt_tokens, record.completion_tokens) == ("error", 200, 0)

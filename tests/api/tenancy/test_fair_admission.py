@@ -1,4 +1,4 @@
-"""api.tenancy.admission fairness (issue 13: one tenant took all 320 slots, another got 10/10 503s), on the
+"""api.tenancy.admission fairness (once, one tenant took all 320 slots while another got 10/10 503s), on the
 algorithm alone: a fake clock, tickets taken and released by hand, and a randomized flood."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_default_slots_and_reserve_match_the_issue() -> None:
     flood = _fill(admission, "a")
     assert len(flood) == 280  # a lone tenant still fills the running batch (64) many times over
     victim = [_try(admission, "b") for _ in range(10)]
-    assert all(t is not None for t in victim)  # issue 13: these were 10/10 503s
+    assert all(t is not None for t in victim)  # without fair shares these were 10/10 503s
 
 
 def test_tenant_below_its_share_gets_the_freed_slots() -> None:

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from api.bootstrap import build_state
 from api.context import Caller
 from api.inference import completions
 from api.inference.planning import plan_generation
@@ -21,12 +20,12 @@ from api.inference.protocol import CompletionRequest
 from api.metering.request_meter import RequestMeter
 from api.settings import Settings
 from api.state import AppState
-from api.tenancy.admission import admit
 from api.tenancy.quota_gate import TenantQuotaGate
 from base_engine.async_engine import EngineRequest
 from base_engine.outputs import RequestOutput
 from registry.usage import export_usage
 from tests.harness.callers import new_caller
+from tests.harness.in_process import admit_plan, in_process_state
 
 TPM = 100_000
 MAX_TOKENS = 120
@@ -42,12 +41,8 @@ def state(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         max_model_len=256,
         default_tpm=TPM,
     )
-    state = build_state(settings)
-    state.engine.on_finished.append(state.inference.inflight.on_engine_finished)  # as the app's lifespan does
-    state.engine.start()
-    yield state
-    state.engine.shutdown()
-    state.inference.meter.stop()
+    with in_process_state(settings, start_engine=True) as state:
+        yield state
 
 
 def _disconnecting_request(after_outputs: asyncio.Event) -> Request:
@@ -66,14 +61,7 @@ async def _answer_until_disconnect(state: AppState, caller: Caller) -> str:
         plan = plan_generation(
             inference=state.inference, session=session, caller=caller, body=body, kind="completion"
         )
-    inference = state.inference
-    ticket = admit(
-        quotas=inference.quotas,
-        admission=inference.admission,
-        meter=inference.meter,
-        ctx=plan.ctx,
-        num_requests=len(plan.requests),
-    )
+    ticket = admit_plan(state, plan)
     some_outputs = asyncio.Event()
     engine_generate = state.engine.generate
 
@@ -88,7 +76,7 @@ async def _answer_until_disconnect(state: AppState, caller: Caller) -> str:
     state.engine.generate = generate  # type: ignore[method-assign]
     try:
         response = await completions._answer(
-            inference=inference,
+            inference=state.inference,
             request=_disconnecting_request(some_outputs),
             plan=plan,
             ticket=ticket,
