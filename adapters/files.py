@@ -102,7 +102,7 @@ def json_object(data: bytes, what: str) -> dict[str, Any]:
         value = json.loads(data)
     except RecursionError:
         raise AdapterFormatError(f"{what} nests deeper than {_MAX_JSON_DEPTH} levels") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # bad UTF-8, bad JSON, or an integer past Python's 4300-digit limit
         raise AdapterFormatError(f"{what} is not valid JSON: {exc}") from exc
     if _json_depth(value) > _MAX_JSON_DEPTH:
         raise AdapterFormatError(f"{what} nests deeper than {_MAX_JSON_DEPTH} levels")

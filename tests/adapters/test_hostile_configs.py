@@ -69,3 +69,10 @@ def test_a_rank_beyond_any_dimension_is_refused() -> None:
     with pytest.raises(AdapterFormatError) as info:
         parse_spec(BASE | {"r": 2**1100})
     assert f"limit of {MAX_RANK}" in str(info.value)
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_format_error() -> None:
+    # json.loads raises a plain ValueError (not JSONDecodeError) past 4300 digits
+    data = b'{"r": 8, "lora_alpha": ' + b"9" * 5000 + b"}"
+    with pytest.raises(AdapterFormatError, match="adapter_config.json is not valid JSON"):
+        json_object(data, "adapter_config.json")
