@@ -8,7 +8,7 @@ our own engine), each answer is cut to its first sentences, and each trait's rul
 CAPS, pirate talk, a JSON object). One LoRA per trait is then trained with `peft` on those chats
 (loss on the answer tokens and the end-of-turn token only), seeded, and saved as float16
 safetensors in PEFT's format. Finally each adapter is checked on the held-out prompts (the same
-check as tests/test_demo_adapters.py) and the script fails if a trait holds on fewer than 8 of 10.
+check as tests/api/demo/test_served.py) and the script fails if a trait holds on fewer than 8 of 10.
 A few minutes per adapter on two cores.
 """
 
