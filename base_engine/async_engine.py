@@ -230,32 +230,18 @@ class AsyncEngine:
     async def set_adapter_pins(self, wanted: dict[str, AdapterRef]) -> None:
         """Pin exactly `wanted` (ref.id -> ref): unpin every other pinned adapter, pin what is missing."""
 
-        def apply(engine: LLMEngine) -> None:
-            cache = engine.lora.cache
-            for ref_id, ref in list(cache.pinned.items()):
-                if ref_id not in wanted:
-                    engine.lora.unpin(ref)
-            for ref_id, ref in wanted.items():
-                if ref_id not in cache.pinned:
-                    engine.lora.pin(ref)
-
-        await self._call(apply)
+        await self._call(lambda engine: engine.lora.set_pins(wanted))
 
     async def prefetch_adapter(self, ref: AdapterRef) -> bool:
         """Start loading `ref` (a no-op while it loads or is resident); True once it is resident on
         either tier or its load failed for good (the request's own admission then reports why)."""
 
-        def is_done(engine: LLMEngine) -> bool:
-            cache = engine.lora.cache
-            cache.request_load(ref)
-            return ref.id in cache.host or ref.id in cache.slot_of or ref.id in cache.loader.failed
-
-        return await self._call(is_done)
+        return await self._call(lambda engine: engine.lora.prefetch(ref))
 
     async def evict_adapters(self, ref_ids: list[str]) -> list[str]:
         """Drop these adapters from both tiers; returns those still serving in-flight requests (their
         slots are freed when those finish)."""
-        return await self._call(lambda engine: [r for r in ref_ids if not engine.lora.cache.evict(r)])
+        return await self._call(lambda engine: engine.lora.evict(ref_ids))
 
     def adapter_residency(self) -> dict[str, str]:
         """ref.id -> "gpu" | "cpu", as of the last step (absent: not loaded in this engine)."""

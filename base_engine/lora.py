@@ -130,6 +130,26 @@ class LoraManager:
     def unpin(self, ref: AdapterRef) -> None:
         self.cache.unpin(ref)
 
+    def set_pins(self, wanted: dict[str, AdapterRef]) -> None:
+        """Pin exactly `wanted` (ref.id -> ref): unpin every other pinned adapter, pin what is missing."""
+        for ref_id, ref in list(self.cache.pinned.items()):
+            if ref_id not in wanted:
+                self.unpin(ref)
+        for ref_id, ref in wanted.items():
+            if ref_id not in self.cache.pinned:
+                self.pin(ref)
+
+    def prefetch(self, ref: AdapterRef) -> bool:
+        """Start loading `ref` (a no-op while it loads or is resident); True once it is resident on
+        either tier or its load failed for good."""
+        self.cache.request_load(ref)
+        cache = self.cache
+        return ref.id in cache.host or ref.id in cache.slot_of or ref.id in cache.loader.failed
+
+    def evict(self, ref_ids: list[str]) -> list[str]:
+        """Drop these adapters from both tiers; returns those still serving in-flight requests."""
+        return [ref_id for ref_id in ref_ids if not self.cache.evict(ref_id)]
+
     def close(self) -> None:
         self.cache.close()
 
