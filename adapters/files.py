@@ -84,10 +84,10 @@ def read_adapter_files(
     return AdapterFiles(config, config_bytes, weights)
 
 
-def _json_depth(value: Any) -> int:
-    """Nesting depth of parsed JSON (`{}` is 1), walked without recursion; stops past the limit."""
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of parsed JSON (`{}` is 1), walked without recursion; stops once past `limit`."""
     deepest, stack = 0, [(value, 1)]
-    while stack and deepest <= _MAX_JSON_DEPTH:
+    while stack and deepest <= limit:
         node, depth = stack.pop()
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
         if children is not None:
@@ -104,7 +104,7 @@ def json_object(data: bytes, what: str) -> dict[str, Any]:
         raise AdapterFormatError(f"{what} nests deeper than {_MAX_JSON_DEPTH} levels") from None
     except ValueError as exc:  # bad UTF-8, bad JSON, or an integer past Python's 4300-digit limit
         raise AdapterFormatError(f"{what} is not valid JSON: {exc}") from exc
-    if _json_depth(value) > _MAX_JSON_DEPTH:
+    if json_depth(value, _MAX_JSON_DEPTH) > _MAX_JSON_DEPTH:
         raise AdapterFormatError(f"{what} nests deeper than {_MAX_JSON_DEPTH} levels")
     if not isinstance(value, dict):
         raise AdapterFormatError(f"{what} must hold a JSON object, got {type(value).__name__}")

@@ -27,6 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from adapters.files import json_depth
 from api.errors import APIError
 from api.inference.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
 from api.inference.tool_parser import (
@@ -98,21 +99,9 @@ def _bad(message: str, param: str) -> APIError:
 MAX_TOOL_SCHEMA_DEPTH = 64
 
 
-def _json_depth(value: Any, limit: int) -> int:
-    """Nesting depth of parsed JSON (`{}` is 1), walked without recursion; stops once past `limit`."""
-    deepest, stack = 0, [(value, 1)]
-    while stack and deepest <= limit:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
-        if children is not None:
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
 def _check_schema_depths(tools: list[ToolDefinition]) -> None:
     for i, tool in enumerate(tools):
-        if _json_depth(tool.function.parameters, MAX_TOOL_SCHEMA_DEPTH) > MAX_TOOL_SCHEMA_DEPTH:
+        if json_depth(tool.function.parameters, MAX_TOOL_SCHEMA_DEPTH) > MAX_TOOL_SCHEMA_DEPTH:
             param = f"tools[{i}].function.parameters"
             raise _bad(f"{param} nests deeper than the limit of {MAX_TOOL_SCHEMA_DEPTH} levels", param)
 
