@@ -91,9 +91,10 @@ class Settings(BaseSettings):
     db_connect_timeout_s: float = Field(5.0, gt=0)  # PostgreSQL: connect timeout
     db_read_timeout_s: float = Field(30.0, gt=0)  # PostgreSQL: unanswered connection dropped after it
     ready_timeout_s: float = Field(2.0, gt=0)  # /ready: longest wait for one dependency probe
-    # Admission fairness: while the server is contended, no tenant holds more than its fair share of
-    # the in-flight slots (api/tenancy/admission.py); `admission_reserve` slots (None = derived) stay free for
-    # tenants below their share.
+    # Admission fairness: while another tenant below its fair share waits, no tenant takes more than its
+    # share of the in-flight slots (api/tenancy/admission.py); a lone tenant may use them all.
+    # `admission_reserve` (None = derived) is headroom above `max_in_flight` that only tenants within
+    # their share may use, so a newcomer to a server one tenant filled is admitted at once.
     fair_admission: bool = True
     admission_reserve: int | None = Field(None, ge=0)
 

@@ -9,16 +9,19 @@ slots are shared max-min fairly among the tenants that contend for them: those w
 flight, those refused in the last `WAITING_WINDOW_S` (they are waiting: their clients retry after
 Retry-After), and the asking tenant. Each one's fair share is `max_in_flight // max(2, contenders)`:
 
-- a tenant within its share is admitted into any free slot;
-- a tenant above its share is admitted only while no other tenant below its share is waiting, and
-  never into the last `reserve` slots, which stay free so that a tenant arriving at a flooded server
-  is admitted at once (default `min(max_queue_len, max_in_flight // 8)`: from the waiting queue, so
-  a lone tenant still fills the running batch).
+- a tenant within its share is admitted into any free slot, and also into the `reserve`: headroom
+  above `max_in_flight` that only tenants within their share may use, so that a tenant arriving at a
+  server one tenant has filled is admitted at once (default `min(max_queue_len, max_in_flight // 8)`:
+  the engine's waiting queue grows by at most that much);
+- a tenant above its share is admitted into any free slot of the `max_in_flight` while no other
+  tenant below its share is waiting. A lone tenant therefore uses the whole capacity, and a refusal
+  names what limited it: the server's bound, or the share while others wait.
 
-So a flooding tenant keeps what it holds (nothing is preempted) but, as its requests end, their slots
-go to the tenants below their share until every contender holds its share; inside the engine the
-same tenants are then ordered by the Virtual Token Counter (base_engine/lora_policy.py), so a newly
-admitted tenant's requests also start before the flooding tenant's waiting ones.
+So a flooding tenant keeps what it holds (admission preempts nothing) but, as its requests end, their
+slots go to the tenants below their share until every contender holds its share; inside the engine the
+scheduler caps each tenant's running sequences at its fair share of the batch while others wait
+(base_engine/fair_share.py) and orders the waiting ones by the Virtual Token Counter
+(base_engine/lora_policy.py), so a newly admitted tenant's requests start at the next step.
 
 `admit` is the request path's admission step: the tenant's quotas (429), then this bound (503),
 then the meter's `begin`; the `Ticket` it returns gives the slot and the quota back once.
@@ -99,7 +102,7 @@ class Admission:
         if reserve is None:
             queue = max_in_flight if max_queue_len is None else max_queue_len
             reserve = min(queue, max_in_flight // 8)
-        self.reserve = min(reserve, max_in_flight - 1) if fair else 0
+        self.reserve = reserve if fair else 0
         self._clock = clock
         self._by_tenant: dict[str | None, int] = {}
         self._waiting: dict[str | None, float] = {}  # refused tenant -> when it stops counting as waiting
@@ -120,23 +123,26 @@ class Admission:
     def _refusal(self, tenant: str | None, num: int, now: float) -> str | None:
         """Why `num` more engine requests of `tenant` cannot be admitted now, or None. Holds the lock."""
         total = self.num_in_flight + num
-        if total > self.max_in_flight:
-            return (
-                f"The server is overloaded ({self.num_in_flight} requests in flight, limit "
-                f"{self.max_in_flight}); retry later."
-            )
         if not self.fair:
-            return None
+            return None if total <= self.max_in_flight else self._overloaded(self.max_in_flight)
         share = self._share(tenant, now)
         holding = self._by_tenant.get(tenant, 0)
-        if holding + num <= share:
-            return None
-        starved = any(t != tenant and self._by_tenant.get(t, 0) < share for t in self._waiting)
-        if not starved and total <= self.max_in_flight - self.reserve:
+        if holding + num <= share:  # within its share: the reserve above the bound is open to it
+            limit = self.max_in_flight + self.reserve
+            return None if total <= limit else self._overloaded(limit)
+        if total > self.max_in_flight:
+            return self._overloaded(self.max_in_flight)
+        waiting = [t for t in self._waiting if t != tenant and self._by_tenant.get(t, 0) < share]
+        if not waiting:
             return None
         return (
             f"The server is busy: this tenant holds {holding} of {self.max_in_flight} request slots and its "
-            f"fair share is {share} while other tenants wait; retry later."
+            f"fair share is {share} while {len(waiting)} other tenant(s) below their share wait; retry later."
+        )
+
+    def _overloaded(self, limit: int) -> str:
+        return (
+            f"The server is overloaded ({self.num_in_flight} requests in flight, limit {limit}); retry later."
         )
 
     def acquire(self, num: int, tenant: str | None = None) -> Ticket:
