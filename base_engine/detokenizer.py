@@ -9,8 +9,9 @@ grow with the output and the text is what a full ``tokenizer.decode`` gives.
   byte-fallback token that holds only some of its bytes); it stays unread until the character is whole.
 - The window starts a few tokens before the read position so that tokenizers which drop the leading
   space of a decoded text (sentencepiece's Metaspace) still give the space at the boundary.
-- Stop strings are searched in the new text plus the last ``max_stop_len - 1`` characters, so they
-  match across token boundaries; streamed text holds back any tail that may still grow into one.
+- Stop strings are matched by one automaton per request (base_engine/stop_strings.py) that reads each
+  new character once, however many stops there are, so they match across token boundaries; streamed
+  text holds back any tail that may still grow into one.
 
 Text once decoded is never taken back. A byte-fallback decoder (``<0xNN>`` tokens) that meets an
 invalid run of bytes turns the whole run into U+FFFD, rewriting characters decoded before; only for
@@ -55,8 +56,8 @@ class Detokenizer:
         self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int] = ()
     ) -> None:
         self._decode = _decoder(tokenizer, params.skip_special_tokens)
-        self._stops: tuple[str, ...] = tuple(params.stop or ())
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._stops = params.stop_automaton  # None without stop strings
+        self._stop_state = 0  # where the text read so far leaves the automaton
         self._include_stop = params.include_stop_str_in_output
         # Prompt ids are kept only as decoding context for the first output tokens.
         self._token_ids: list[int] = list(prompt_token_ids[-_PREFIX_CONTEXT_TOKENS:])
@@ -64,7 +65,6 @@ class Detokenizer:
         self._read_offset = len(self._token_ids)  # ids before this are already in the text
         self._chunks: list[str] = []  # the output text, in pieces (joined lazily by `text`)
         self._num_chars = 0
-        self._tail = ""  # last max_stop_len - 1 chars of the text: where a stop string may start
         self._unsent: list[str] = []  # text not yet returned by take_delta
         self._stop: str | None = None
 
@@ -123,24 +123,21 @@ class Detokenizer:
 
     def _append(self, new_text: str) -> str | None:
         """Adds decoded text, then cuts it at the first stop string that the new text completes."""
-        if not self._stops:
+        if self._stops is None:
             self._push(new_text)
             return None
-        search = self._tail + new_text  # a stop may start in the tail and end in the new text
-        found = [(i + len(s), i, s) for s in self._stops if (i := search.find(s)) >= 0]
-        if not found:
+        self._stop_state, match = self._stops.feed(self._stop_state, new_text)
+        if match is None:
             self._push(new_text)
-            self._tail = search[-(self._max_stop_len - 1) :] if self._max_stop_len > 1 else ""
             return None
         # The stop that ends first is the one a token-by-token stream would have met first.
-        end, start, stop = min(found)
-        cut = end if self._include_stop else start  # position in `search`
-        if cut >= len(self._tail):
-            self._push(new_text[: cut - len(self._tail)])
+        cut = match.end if self._include_stop else match.end - len(match.stop)  # position in new_text
+        if cut >= 0:
+            self._push(new_text[:cut])
         else:
-            self._drop(len(self._tail) - cut)  # the stop began in text appended earlier
-        self._stop = stop
-        return stop
+            self._drop(-cut)  # the stop began in text appended earlier
+        self._stop = match.stop
+        return match.stop
 
     def _push(self, piece: str) -> None:
         if piece:
@@ -157,10 +154,6 @@ class Detokenizer:
         self._num_chars -= num_chars
 
     def _num_held(self, unsent: str) -> int:
-        """Length of the longest end of the text that is a proper prefix of some stop string."""
-        longest = min(self._max_stop_len - 1, len(unsent))
-        for n in range(longest, 0, -1):
-            end = unsent[-n:]
-            if any(s.startswith(end) for s in self._stops):
-                return n
-        return 0
+        """Length of the longest end of the text that is a proper prefix of some stop string (never more
+        than is unsent: what was held back before is still unsent)."""
+        return 0 if self._stops is None else min(self._stops.num_held(self._stop_state), len(unsent))

@@ -15,7 +15,7 @@ def stop_reason(
         return SequenceStatus.FINISHED_STOPPED
     if token_id in eos_token_ids and not params.ignore_eos:
         return SequenceStatus.FINISHED_STOPPED
-    if token_id in params.stop_token_ids:
+    if token_id in params.stop_token_set:
         return SequenceStatus.FINISHED_STOPPED
     if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         return SequenceStatus.FINISHED_LENGTH

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from base_engine.stop_strings import StopAutomaton, compile_stops
+
 # Temperatures below this are treated as greedy: dividing logits by a tiny number overflows, and
 # vLLM uses the same cut-off.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -39,7 +41,9 @@ def _check_float(name: str, value: object, ok: Callable[[float], bool], allowed:
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    ``stop`` is normalized to a tuple of non-empty strings and ``stop_token_ids`` to a list of ints.
+    ``stop`` is normalized to a tuple of non-empty strings and ``stop_token_ids`` to a list of ints
+    (looked up as the set ``stop_token_set``: one hash per token, however many there are); the stop
+    strings are compiled once into ``stop_automaton`` (base_engine/stop_strings.py).
     """
 
     max_tokens: int = 16
@@ -63,6 +67,8 @@ class SamplingParams:
     # Constrained decoding (base_engine/constraints.py): this request's own grammar matcher, which masks
     # its row of the logits before each draw. One request per object (it holds the request's state).
     constraint: Any = None
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
+    stop_automaton: StopAutomaton | None = field(init=False, repr=False, compare=False)  # of ``stop``
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
@@ -84,6 +90,8 @@ class SamplingParams:
             raise ValueError(f"constraint must be a GrammarConstraint, got {type(self.constraint).__name__}")
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        self.stop_token_set = frozenset(self.stop_token_ids)
+        self.stop_automaton = compile_stops(self.stop) if self.stop else None  # type: ignore[arg-type]
 
     @property
     def is_greedy(self) -> bool:

@@ -3,17 +3,20 @@
 Each step gives every scheduled request a number of tokens: a decode is 1, a prefill chunk is up to the
 remaining budget; prefix hits simply start a request with tokens already computed. Running requests
 are served first (oldest first), then waiting ones are admitted in the order the admission policy
-gives. When blocks run out the newest running request is preempted and recomputed later.
+gives. When blocks run out the newest running request of the tenant running the most is preempted and
+recomputed later. While tenants contend for the batch, each runs at most its fair share of it
+(base_engine/fair_share.py): one over its share yields its newest sequences at the step boundary.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from base_engine.block_manager import BlockManager
+from base_engine.fair_share import Tenant, fair_shares, over_share
 from base_engine.sequence import Sequence, SequenceStatus
 
 
@@ -33,7 +36,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # batch order = flattened token order
     num_batched_tokens: int = 0  # sum of num_new_tokens
-    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting in this step
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting: out of KV blocks
+    yielded: list[Sequence] = field(default_factory=list)  # sent back to waiting: over its tenant's share
     overflowed: list[Sequence] = field(default_factory=list)  # can never fit the whole KV pool: to finish
 
     @property
@@ -101,6 +105,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # 0. Tenants over their share of the batch while others wait yield their newest sequences.
+        shares = self._shares()
+        if shares is not None:
+            for seq in over_share(self.running, shares):
+                self._preempt(seq)
+                self.policy.on_not_admitted(seq)  # its adapter slot too: a waiting request holds nothing
+                out.yielded.append(seq)
         # 1. Running requests, oldest first: decodes and the rest of chunked prefills.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -110,14 +121,14 @@ class Scheduler:
                 out.overflowed.append(seq)
                 i += 1
                 continue
-            if not self._make_room(seq, num_new, out):
-                break  # seq itself was preempted: it was the newest, nothing after it remains
+            if not self._make_room(seq, num_new, i, out):
+                continue  # seq itself was preempted: the one after it is now at i
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
             i += 1
         # 2. Waiting requests, unless this step had to preempt (memory is tight: let running ones finish).
         if not out.preempted:
-            budget = self._admit_waiting(budget, out)
+            budget = self._admit_waiting(budget, out, shares)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         self.policy.on_scheduled(out)
         return out
@@ -126,20 +137,39 @@ class Scheduler:
         needed = -(-(seq.num_computed_tokens + num_new) // self.block_manager.block_size)
         return needed > self.block_manager.num_blocks
 
-    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate blocks for seq, preempting the newest running requests if needed."""
+    def _shares(self) -> dict[Tenant, int] | None:
+        """Each tenant's share of the batch this step, or None when every tenant fits (a question)."""
+        if len(self.running) + len(self.waiting) <= self.max_num_seqs:
+            return None  # the common case, decided without a pass over the requests
+        running = Counter(seq.tenant_id for seq in self.running)
+        tenants = set(running) | {seq.tenant_id for seq in self.waiting}
+        if len(tenants) < 2:
+            return None
+        ready = Counter(s.tenant_id for s in self.waiting if self.policy.can_admit(s, self.running))
+        return fair_shares(running, ready, self.max_num_seqs)
+
+    def _make_room(self, seq: Sequence, num_new: int, start: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for seq (at `start` in running), preempting requests not yet scheduled in this
+        step if needed: the newest of the tenant that runs the most (a lone tenant: the newest)."""
         while not self.block_manager.can_allocate(seq, num_new):
-            victim = self.running[-1]
-            self._preempt(victim, out)
+            candidates = self.running[start:]
+            held = Counter(s.tenant_id for s in self.running)
+            most = max(held[s.tenant_id] for s in candidates)
+            victim = next(s for s in reversed(candidates) if held[s.tenant_id] == most)
+            self._preempt(victim)
+            out.preempted.append(victim)
             if victim is seq:
                 return False
         self.block_manager.allocate(seq, num_new)
         return True
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+    def _admit_waiting(self, budget: int, out: SchedulerOutput, shares: dict[Tenant, int] | None) -> int:
+        num_running = Counter(seq.tenant_id for seq in self.running) if shares is not None else Counter()
         for seq in self.policy.order(self.waiting, self.running):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if shares is not None and num_running[seq.tenant_id] >= shares.get(seq.tenant_id, 0):
+                continue  # its tenant holds its share while others wait
             if not self.policy.can_admit(seq, self.running):
                 self.policy.on_refused(seq)
                 continue
@@ -168,6 +198,7 @@ class Scheduler:
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = time.monotonic()
             self.running.append(seq)
+            num_running[seq.tenant_id] += 1
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
         return budget
@@ -178,7 +209,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.policy.on_not_admitted(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop its KV blocks, keep its tokens, queue it first."""
         self.running.remove(seq)
         self.block_manager.free_sequence(seq)
@@ -187,7 +218,6 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """The only place a request leaves the scheduler (finished, aborted or failed)."""

@@ -177,3 +177,27 @@ def test_vtc_lets_a_light_tenant_overtake_a_heavy_backlog(tiny_llama_dir) -> Non
         order += [o.request_id for o in engine.step() if o.finished]
     assert order.index("B1") < order.index("A4"), order  # plain FCFS would finish every A first
     assert order.index("B0") < order.index("A3"), order
+
+
+def test_a_tenant_over_its_share_yields_and_its_answers_stay_the_same(tiny_llama_dir, reference) -> None:
+    """Issue 28 item 11 in the engine: B's requests start at the next step although A's fill the batch;
+    A's yielded requests are recomputed and finish with the tokens they would have had alone."""
+    from base_engine import EngineConfig, LLMEngine
+
+    prompts, alone = reference
+    config = EngineConfig(num_kv_blocks=256, block_size=4, max_num_seqs=4, max_num_batched_tokens=256)
+    engine = LLMEngine(tiny_llama_dir, config=config)
+    for i in range(12):
+        engine.add_request(f"A{i}", prompts[i], GREEDY, tenant_id="A")
+    engine.step()
+    engine.step()
+    for i in range(12, 16):
+        engine.add_request(f"B{i}", prompts[i], GREEDY, tenant_id="B")
+    first = {o.request_id for o in engine.step() if o.new_token_ids}
+    assert {"B12", "B13"} <= first  # B's share of the batch (2 of 4) starts in the very next step
+    assert engine.stats().num_preemptions == 2
+    outputs = {}
+    while engine.has_unfinished:
+        outputs |= {o.request_id: o for o in engine.step() if o.finished}
+    got = [outputs[f"A{i}"] if i < 12 else outputs[f"B{i}"] for i in range(16)]
+    assert_all_same(alone, got, "yielded")
