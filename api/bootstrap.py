@@ -25,6 +25,7 @@ from api.demo.traits import TRAITS
 from api.fleet.start import check_fleet_schema, check_fleet_settings, fleet_server_secret
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.inflight import InFlight
+from api.inference.limits import RequestLimits
 from api.inference.provenance import server_provenance
 from api.inference.sampling import SeedSource
 from api.inference.services import Inference
@@ -209,6 +210,13 @@ def _inference(
         provenance=provenance,
         is_deterministic=settings.deterministic,
         request_timeout_s=settings.request_timeout_s,
+        limits=RequestLimits(
+            max_choices=settings.max_choices_per_request,
+            max_logprob_entries=settings.max_logprob_entries_per_response,
+            max_stop_strings=settings.max_stop_strings,
+            max_stop_string_chars=settings.max_stop_string_chars,
+            max_stop_token_ids=settings.max_stop_token_ids,
+        ),
         is_quota_blocking=settings.fleet,
         quotas=TenantQuotaGate(open_limiter(settings, sessions, defaults)),
         meter=meter,

@@ -67,6 +67,14 @@ class Settings(BaseSettings):
     # Requests of one tenant planned (tokenized) at once in this process; more wait
     # (api/tenancy/plan_gate.py).
     max_concurrent_plans_per_tenant: int = Field(4, ge=1)
+    # What one request may ask of the shared engine (api/inference/limits.py); more -> 400 naming the
+    # limit. Choices = n x prompts (each one a sequence in the batch); logprob entries per response =
+    # choices x max_tokens x (top logprobs + 1); stops per request (OpenAI allows 4 strings).
+    max_choices_per_request: int = Field(16, ge=1)
+    max_logprob_entries_per_response: int = Field(1 << 18, ge=1)
+    max_stop_strings: int = Field(16, ge=0)
+    max_stop_string_chars: int = Field(256, ge=1)
+    max_stop_token_ids: int = Field(256, ge=0)
     upload_timeout_s: float = Field(120.0, gt=0)  # validate + store + record one upload, else 504
     disk_cache_bytes: int = Field(4 << 30, ge=1)  # local adapter tier (registry.disk_cache.DiskTier)
     # Adapters by reference (api/tenant_adapters/imports.py): URI prefixes (`s3://bucket/prefix`, `file:///dir`)

@@ -38,3 +38,27 @@ RegistryOpt = Annotated[
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# What one request may ask of the shared engine (api/inference/limits.py); more is a 400 naming the limit.
+MaxChoicesOpt = Annotated[
+    int | None,
+    typer.Option(help=f"choices (n x prompts) per request {settings_default('max_choices_per_request')}"),
+]
+MaxLogprobEntriesOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="logprob entries per response: choices x max_tokens x (top logprobs + 1) "
+        + settings_default("max_logprob_entries_per_response")
+    ),
+]
+MaxStopStringsOpt = Annotated[
+    int | None, typer.Option(help=f"stop strings per request {settings_default('max_stop_strings')}")
+]
+MaxStopStringCharsOpt = Annotated[
+    int | None,
+    typer.Option(help=f"characters per stop string {settings_default('max_stop_string_chars')}"),
+]
+MaxStopTokenIdsOpt = Annotated[
+    int | None, typer.Option(help=f"stop token ids per request {settings_default('max_stop_token_ids')}")
+]

@@ -13,7 +13,18 @@ from typing import Annotated
 
 import typer
 
-from api.cli.options import DataDirOpt, DbOpt, ModelOpt, RegistryOpt, setup_logging
+from api.cli.options import (
+    DataDirOpt,
+    DbOpt,
+    MaxChoicesOpt,
+    MaxLogprobEntriesOpt,
+    MaxStopStringCharsOpt,
+    MaxStopStringsOpt,
+    MaxStopTokenIdsOpt,
+    ModelOpt,
+    RegistryOpt,
+    setup_logging,
+)
 from api.cli.options import settings_default as _default
 from api.settings import Settings, load_settings
 
@@ -62,6 +73,11 @@ def serve(
     drain_timeout_s: Annotated[
         float | None, typer.Option(help=f"SIGTERM grace period in seconds {_default('drain_timeout_s')}")
     ] = None,
+    max_choices_per_request: MaxChoicesOpt = None,
+    max_logprob_entries_per_response: MaxLogprobEntriesOpt = None,
+    max_stop_strings: MaxStopStringsOpt = None,
+    max_stop_string_chars: MaxStopStringCharsOpt = None,
+    max_stop_token_ids: MaxStopTokenIdsOpt = None,
     max_upload_bytes: Annotated[
         int | None,
         typer.Option(

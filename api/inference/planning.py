@@ -2,7 +2,9 @@
 own adapter, never another tenant's), tokenize, check parameters and context length, build one engine
 request per choice (derived seeds for n > 1, the tenant's cache salt), and its provenance
 (api/inference/provenance.py: a seed drawn when none was sent, `deterministic`). Every error here is
-a 4xx before any 200. Then, before admission, the adapter's files are fetched (`fetch_adapter`).
+a 4xx before any 200; a request past the fan-out or stop bounds (api/inference/limits.py) is refused
+before anything is resolved or encoded, past the logprob bound once its `max_tokens` are known. Then,
+before admission, the adapter's files are fetched (`fetch_adapter`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from sqlalchemy.orm import Session
 from api.context import Caller, RequestContext, RequestKind, new_request_id
 from api.errors import APIError, model_not_found
 from api.inference.adapter_fetch import AdapterFetch, StoreUnreachable, adapter_unavailable
+from api.inference.limits import check_fan_out_and_stops, check_logprob_entries
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from api.inference.provenance import request_provenance
 from api.inference.sampling import (
     check_stream_options,
+    completion_prompts,
     encode_chat_prompt,
     encode_completion_prompts,
     generation_defaults,
@@ -70,6 +74,9 @@ def plan_generation(
     kind: RequestKind,
 ) -> GenerationPlan:
     include_usage = check_stream_options(body)
+    is_chat = isinstance(body, ChatCompletionRequest)
+    num_prompts = len(completion_prompts(body)) if isinstance(body, CompletionRequest) else 1
+    check_fan_out_and_stops(body, num_prompts=num_prompts, limits=inference.limits)
     engine = inference.engine
     adapter = resolve_model(model_name=inference.model_name, session=session, caller=caller, model=body.model)
     tools = None
@@ -117,6 +124,12 @@ def plan_generation(
     ctx.engine_request_ids = [r.request_id for r in requests]
     ctx.max_new_tokens = sum(r.params.max_tokens for r in requests)
     top = requests[0].params.logprobs
+    check_logprob_entries(
+        num_top_logprobs=top,
+        total_max_tokens=ctx.max_new_tokens,
+        limits=inference.limits,
+        param="top_logprobs" if is_chat else "logprobs",
+    )
     return GenerationPlan(ctx, requests, bool(body.stream), include_usage, top, tools)
 
 

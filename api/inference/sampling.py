@@ -98,13 +98,17 @@ def request_seed(body: CompletionRequest | ChatCompletionRequest, seeds: SeedSou
     return body.seed if body.seed is not None else seeds.draw(request_id)
 
 
-def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list[int]]:
-    """Token ids of each prompt: a string, a list of strings, token ids, or a list of token-id lists."""
+def completion_prompts(body: CompletionRequest) -> list[Any]:
+    """The prompts of a completion: a string, a list of strings, token ids, or a list of token-id lists."""
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        items: list[Any] = [prompt]
-    else:
-        items = list(prompt)
+        return [prompt]
+    return list(prompt)
+
+
+def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list[int]]:
+    """Token ids of each prompt (`completion_prompts`)."""
+    items = completion_prompts(body)
     if not items:
         raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     for item in items:  # all before any is encoded

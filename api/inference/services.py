@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.inflight import InFlight
+from api.inference.limits import RequestLimits
 from api.inference.sampling import SeedSource
 from api.metering.request_meter import Meter
 from api.tenancy.admission import Admission
@@ -25,6 +26,7 @@ class Inference:
     provenance: Provenance | None  # the process-wide half of every answer's provenance
     is_deterministic: bool  # the server runs every request deterministically
     request_timeout_s: float
+    limits: RequestLimits  # fan-out, stops and logprobs one request may ask for
     is_quota_blocking: bool  # quotas are a database transaction (a fleet): admit off the event loop
     quotas: Quotas
     meter: Meter
