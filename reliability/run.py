@@ -2,13 +2,14 @@
 clients, one JSON line per case on stdout and a figures table in RELIABILITY.md.
 
 Cases: abort storm, hostile uploads (both backends), mixed load, kill -9 mid-load + restart,
-dependency outages (PostgreSQL restart, S3 stop and hang), schemathesis over /openapi.json. Each case is
+dependency outages (PostgreSQL restart, S3 stop and hang), schemathesis over /openapi.json, and
+fairness between tenants (long streams, a lone tenant, fan-out, stop bounds). Each case is
 bounded by timeouts; a case that fails to run prints a row with its error instead of figures. Run with
 `make reliability`; `--cases schemathesis,outages` re-runs only those cases and keeps the other rows of
 RELIABILITY.md.
 
 This file runs the cases in order; each case lives in a module of its own next to it (common, load,
-hostile, faults, fuzz) and report writes RELIABILITY.md.
+hostile, faults, fuzz, fairness) and report writes RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from base_engine.testing.checkpoint import save_random_checkpoint  # noqa: E402
 from reliability.common import ROWS, SERVER_ENV, run_case  # noqa: E402
+from reliability.fairness import FAIRNESS_CASES, fairness_server  # noqa: E402
 from reliability.faults import case_kill9, case_outages  # noqa: E402
 from reliability.fuzz import case_schemathesis  # noqa: E402
 from reliability.hostile import case_hostile_uploads  # noqa: E402
@@ -37,7 +39,10 @@ from tests.harness.postgres import NoPostgres, new_database, postgres_cluster  #
 from tests.harness.s3 import s3_backend  # noqa: E402
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_args  # noqa: E402
 
-CASES = ("abort storm", "hostile uploads", "mixed load", "kill -9 + restart", "outages", "schemathesis")
+CASES = (
+    "abort storm", "hostile uploads", "mixed load", "kill -9 + restart", "outages", "schemathesis",
+    *FAIRNESS_CASES,
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_cases(selected: list[str], stack: ExitStack, tmp: Path) -> None:
     """The selected cases in a fixed order, on servers shared where a case leaves them usable; what they
     start is stopped by `stack`."""
-    for name in ("storm", "hostile-l", "hostile-s", "load", "storm-s", "kill9", "outage"):
+    for name in ("storm", "hostile-l", "hostile-s", "load", "storm-s", "kill9", "outage", "fair"):
         (tmp / name).mkdir()
     model = save_random_checkpoint(tmp / "model", arch="llama")
     s3_server = pg_url = ""
@@ -95,6 +100,11 @@ def _run_cases(selected: list[str], stack: ExitStack, tmp: Path) -> None:
         run_case("outages", "postgres-s3", lambda: case_outages(model, tmp / "outage", pg_url, s3_server))
     if want("schemathesis"):  # a server of its own: the fuzzer creates tenants, keys and deletes
         run_case("schemathesis", "sqlite-local", lambda: case_schemathesis(server("sqlite-local")))
+    fair = [name for name in FAIRNESS_CASES if want(name)]
+    if fair:  # a server of their own: 32 in-flight slots, so one tenant can fill them
+        fair_server = fairness_server(stack, tmp / "fair", model)
+        for name in fair:
+            run_case(name, "sqlite-local", lambda case=FAIRNESS_CASES[name]: case(fair_server))
 
 
 def _server_factory(
