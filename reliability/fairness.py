@@ -179,13 +179,15 @@ async def _fan_out(server: Server, x: str, y: str) -> dict[str, Any]:
         fan = asyncio.ensure_future(client.post("/v1/completions", json=body, headers=auth(x)))
         await _until(server, "fanned out", lambda st: st["num_running"] >= MAX_NUM_SEQS)
         loaded = [await _ttft(client, y, f"victim {i}") for i in range(5)]
+        ended_early = fan.done()  # then a probe did not run beside the fan-out: the figure means nothing
         answer = await fan
     return {
         "victim_ttft_unloaded_s": round(unloaded, 3),
         "victim_ttft_p50_s": round(percentile(loaded, 50), 3),
         "victim_ttft_max_s": round(max(loaded), 3),
-        "victim_ttft_ratio": round(percentile(loaded, 50) / unloaded, 2),
-        "victim_ttft_over_3x": int(percentile(loaded, 50) > 3 * unloaded),
+        "victim_ttft_max_ratio": round(max(loaded) / unloaded, 2),
+        "victim_ttft_over_3x": sum(t > 3 * unloaded for t in loaded),
+        "fan_out_ended_before_probes": int(ended_early),
         "fan_out_status": answer.status_code,
         "fan_out_choices": len(answer.json().get("choices", [])),
         "fan_out_bytes": len(answer.content),
@@ -198,7 +200,8 @@ def case_fan_out(server: Server) -> tuple[dict[str, Any], list[str]]:
     (_, x), (_, y) = server.tenant("fan"), server.tenant("fan-victim")
     figures = asyncio.run(_fan_out(server, x, y))
     figures["leaked_kv_blocks"] = _wait_idle_and_count_leaks(server)
-    return figures, ["victim_ttft_over_3x", "past_cap_not_400", "leaked_kv_blocks"]
+    zero = ["victim_ttft_over_3x", "fan_out_ended_before_probes", "past_cap_not_400"]
+    return figures, [*zero, "leaked_kv_blocks"]
 
 
 # ---- item 9: stop strings and stop token ids -----------------------------------------------------

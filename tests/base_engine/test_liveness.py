@@ -1,5 +1,6 @@
-"""Liveness as a property: whatever the pool size, prefixes, chunking, adapters, aborts and preemptions,
-every request finishes within a bound of steps, and afterwards nothing is held (blocks, adapter pins).
+"""Liveness as a property: whatever the pool size, prefixes, chunking, adapters, tenants (fair shares of
+the batch: yields), aborts and preemptions, every request finishes within a bound of steps, and
+afterwards nothing is held (blocks, adapter pins).
 
 Invariant tests (no leaked block) miss deadlocks; this catches them: before the scheduler rolled back
 prefix matches, two waiting requests could hold every free block with nothing running.
@@ -77,6 +78,7 @@ def test_every_request_finishes_and_nothing_is_held(tiny, sc: dict) -> None:
     max_model_len = sc["budget"] if not sc["chunked"] else 48
     prefixes = [[rng.randrange(3, VOCAB) for _ in range(rng.choice([4, 8]))] for _ in range(2)]
     prompts, max_tokens, adapters = [], [], []
+    tenants = [rng.choice(["a", "b", None]) for _ in range(sc["num_requests"])]
     for _ in range(sc["num_requests"]):
         prefix = rng.choice(prefixes) if rng.random() < 0.8 else []
         tail = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 16))]
@@ -105,8 +107,9 @@ def test_every_request_finishes_and_nothing_is_held(tiny, sc: dict) -> None:
     aborts = {rng.randrange(0, 30): rng.randrange(len(prompts)) for _ in range(sc["num_aborts"])}
     total_tokens = sum(len(p) + m for p, m in zip(prompts, max_tokens, strict=True))
     outs = _run_bounded(
-        engine, prompts, adapters, max_tokens, aborts=aborts, max_steps=20 * total_tokens + 50
-    )
+        engine, prompts, adapters, max_tokens, aborts=aborts, max_steps=20 * total_tokens + 50,
+        tenants=tenants,
+    )  # fmt: skip
     for i, out in enumerate(outs):
         assert out is not None, f"request {i} never finished"
         if out.finish_reason != "abort":
@@ -118,11 +121,15 @@ def test_every_request_finishes_and_nothing_is_held(tiny, sc: dict) -> None:
     assert not engine.requests and not engine.has_unfinished
 
 
-def _run_bounded(engine: LLMEngine, prompts, adapters, max_tokens, *, aborts: dict[int, int], max_steps: int):
+def _run_bounded(
+    engine: LLMEngine, prompts, adapters, max_tokens, *, aborts: dict[int, int], max_steps: int, tenants=None
+):
     ids = [f"r{i}-{engine.num_steps}" for i in range(len(prompts))]
-    for rid, prompt, adapter, num in zip(ids, prompts, adapters, max_tokens, strict=True):
+    tenants = tenants or [None] * len(prompts)
+    for rid, prompt, adapter, num, tenant in zip(ids, prompts, adapters, max_tokens, tenants, strict=True):
         ref = None if adapter is None else engine.lora.local_ref(Path(adapter))
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=num, ignore_eos=True), adapter=ref)
+        params = SamplingParams(max_tokens=num, ignore_eos=True)
+        engine.add_request(rid, prompt, params, adapter=ref, tenant_id=tenant)
     finished: dict[str, object] = {}
     for step in range(max_steps):
         if step in aborts:
