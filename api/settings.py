@@ -86,10 +86,14 @@ class Settings(BaseSettings):
 
     # Slow dependencies: bounded waits, so a hung object store or database ends in an error.
     store_connect_timeout_s: float = Field(3.0, gt=0)  # S3: TCP connect, per attempt
-    store_read_timeout_s: float = Field(20.0, gt=0)  # S3: silence on an open connection, per attempt
+    store_read_timeout_s: float = Field(5.0, gt=0)  # S3: silence on an open connection, per attempt
     store_max_attempts: int = Field(3, ge=1)  # S3: attempts per call (botocore standard retries)
-    db_connect_timeout_s: float = Field(5.0, gt=0)  # PostgreSQL: connect timeout
-    db_read_timeout_s: float = Field(30.0, gt=0)  # PostgreSQL: unanswered connection dropped after it
+    # A request for an adapter not on local disk waits at most this for its download (queue included),
+    # then 503 adapter_unavailable + Retry-After; the download goes on (api/inference/adapter_fetch.py).
+    adapter_fetch_wait_s: float = Field(8.0, gt=0)
+    # PostgreSQL: the longest a request waits on the database, for a connection or for one call on it
+    # (a hung or stopped server included), then 503 database_unavailable (registry/db.py make_engine).
+    db_timeout_s: float = Field(5.0, gt=0)
     ready_timeout_s: float = Field(2.0, gt=0)  # /ready: longest wait for one dependency probe
     # Admission fairness: while the server is contended, no tenant holds more than its fair share of
     # the in-flight slots (api/tenancy/admission.py); `admission_reserve` slots (None = derived) stay free for
