@@ -64,6 +64,11 @@ class Settings(BaseSettings):
     # `upload_limits`).
     max_upload_bytes: int | None = Field(None, ge=1)
     max_concurrent_uploads: int = Field(4, ge=1)  # received + validated + stored at once; more -> 429
+    # ... of which one tenant may hold at most this many (api/tenant_adapters/upload_gate.py); more -> 429
+    max_concurrent_uploads_per_tenant: int = Field(2, ge=1)
+    # An upload body must arrive within request_body_timeout_s plus its size (Content-Length, else the
+    # upload limit) at this rate, else 408: a trickling client cannot hold its slot for long.
+    upload_min_bytes_per_s: int = Field(256 << 10, ge=1)
     # Requests of one tenant planned (tokenized) at once in this process; more wait
     # (api/tenancy/plan_gate.py).
     max_concurrent_plans_per_tenant: int = Field(4, ge=1)
