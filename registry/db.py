@@ -50,8 +50,9 @@ def make_engine(url: str, *, timeout_s: float | None = None, **kwargs: Any) -> E
 
     For PostgreSQL (psycopg), `timeout_s` bounds how long a caller waits on the database:
     - for a connection: the pool's wait (`pool_timeout`), and the liveness ping of a pooled
-      connection plus the reconnect after a failed one together (libpq's connect timeout is whole
-      seconds, at least 2: 5 s -> a 2 s ping and a 3 s connect);
+      connection plus the reconnect after a failed one together, with room to spare for the rest of
+      the request (libpq's connect timeout is whole seconds, at least 2: 5 s -> a 1.5 s ping and a
+      2 s connect);
     - for each call on it (a statement, commit or rollback): a client-side deadline, which also ends
       calls to a server that is stopped but still acknowledged by its kernel; the server's own
       `statement_timeout` (0.8 x) ends a merely slow statement first and keeps the connection;
@@ -68,7 +69,7 @@ def make_engine(url: str, *, timeout_s: float | None = None, **kwargs: Any) -> E
     kwargs.setdefault("pool_pre_ping", True)
     deadlines = None
     if parsed.get_backend_name() == "postgresql" and timeout_s is not None:
-        connect_s = max(2, round(timeout_s * 0.6))  # libpq: whole seconds, >= 2
+        connect_s = max(2, math.floor(timeout_s * 0.4))  # libpq: whole seconds, >= 2
         keepalive_s = max(1, math.ceil(timeout_s / 3))
         connect_args = {
             "connect_timeout": connect_s,
@@ -82,9 +83,8 @@ def make_engine(url: str, *, timeout_s: float | None = None, **kwargs: Any) -> E
         kwargs["connect_args"] = connect_args
         kwargs.setdefault("pool_timeout", timeout_s)
         if parsed.get_driver_name() == "psycopg":
-            deadlines = CallDeadlines(
-                call_s=timeout_s, ping_s=max(0.5, timeout_s - connect_s), watchdog=Watchdog()
-            )
+            ping_s = max(0.5, min(timeout_s * 0.3, timeout_s - connect_s))
+            deadlines = CallDeadlines(call_s=timeout_s, ping_s=ping_s, watchdog=Watchdog())
     engine = create_engine(url, **kwargs)
     if deadlines is not None:
         install_deadlines(engine, deadlines)

@@ -6,8 +6,6 @@ and A's tricklers are 408 once their deadline passes, which frees their slots.""
 
 from __future__ import annotations
 
-import select
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +16,14 @@ from api.http.blocking import UploadGate
 from api.tenant_adapters.upload_gate import TenantUploadGate, UploadRefusal
 from api.tenant_adapters.uploads import UploadLimits
 from tests.harness.servers import launch_server, main_server_args
-from tests.harness.uploads import files_of, peft_adapter, upload
+from tests.harness.uploads import (
+    answered_within,
+    files_of,
+    peft_adapter,
+    response_status,
+    trickling_upload,
+    upload,
+)
 
 BODY_GRACE_S = 2.0
 DECLARED_BYTES = 256 << 10  # at the default 256 KiB/s: one second more than the grace
@@ -48,42 +53,6 @@ def test_body_deadline_scales_with_the_declared_size_up_to_the_limit() -> None:
     assert limits.body_deadline_s(1 << 30) == 70  # never past the limit's
 
 
-def _trickle(base_url: str, key: str) -> socket.socket:
-    """An upload whose headers and first bytes arrive, and then nothing more."""
-    host, port = base_url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=30)
-    head = (
-        "POST /v1/adapters HTTP/1.1\r\n"
-        f"Host: {host}\r\n"
-        f"Authorization: Bearer {key}\r\n"
-        "Content-Type: multipart/form-data; boundary=xyz\r\n"
-        f"Content-Length: {DECLARED_BYTES}\r\n\r\n"
-        '--xyz\r\nContent-Disposition: form-data; name="name"\r\n\r\nslow\r\n--xyz\r\n'
-    )
-    sock.sendall(head.encode())
-    return sock
-
-
-def _answered_within(socks: list[socket.socket], seconds: float) -> list[socket.socket]:
-    """The sockets on which an answer arrived within `seconds`."""
-    deadline, answered = time.monotonic() + seconds, []
-    while (left := deadline - time.monotonic()) > 0:
-        readable, _, _ = select.select([s for s in socks if s not in answered], [], [], left)
-        answered += readable
-    return answered
-
-
-def _status(sock: socket.socket) -> int:
-    """The status code of the answer on `sock`."""
-    data = b""
-    while b"\r\n" not in data:
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-    return int(data.split(b" ", 2)[1])
-
-
 @pytest.mark.slow
 def test_trickling_uploads_of_one_tenant_do_not_refuse_another(tiny_llama_dir: Path, tmp_path: Path) -> None:
     env = {
@@ -96,16 +65,18 @@ def test_trickling_uploads_of_one_tenant_do_not_refuse_another(tiny_llama_dir: P
         _, key_a = server.tenant("a")
         _, key_b = server.tenant("b")
         started = time.monotonic()
-        tricklers = [_trickle(server.base_url, key_a) for _ in range(4)]  # as many as the server's slots
+        tricklers = [
+            trickling_upload(server.base_url, key_a, DECLARED_BYTES) for _ in range(4)
+        ]  # as many as the server's slots
         try:
-            refused = _answered_within(tricklers, 1.0)  # past A's share: 429 at once
-            assert len(refused) == 2 and [_status(s) for s in refused] == [429, 429]
+            refused = answered_within(tricklers, 1.0)  # past A's share: 429 at once
+            assert len(refused) == 2 and [response_status(s) for s in refused] == [429, 429]
             with ThreadPoolExecutor(2) as pool:  # B, at the same time, up to its own share
                 answers = list(pool.map(lambda i: upload(server, key_b, f"b{i}", files), range(2)))
             assert [r.status_code for r in answers] == [201, 201], [r.text for r in answers]
             slow = [s for s in tricklers if s not in refused]
             deadline_s = BODY_GRACE_S + DECLARED_BYTES / (256 << 10)
-            assert [_status(s) for s in slow] == [408, 408]
+            assert [response_status(s) for s in slow] == [408, 408]
             assert time.monotonic() - started < deadline_s + 2.0
         finally:
             for sock in tricklers:
