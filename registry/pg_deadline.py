@@ -119,7 +119,7 @@ class DeadlineConnection(psycopg.Connection[Any]):
     is_pooled = False  # sitting in SQLAlchemy's pool: the next call is the pre-ping
 
     @contextmanager
-    def _deadline(self) -> Iterator[None]:
+    def call_deadline(self) -> Iterator[None]:
         d = self.deadlines
         if d is None:
             yield
@@ -136,11 +136,11 @@ class DeadlineConnection(psycopg.Connection[Any]):
                 raise
 
     def commit(self) -> None:
-        with self._deadline():
+        with self.call_deadline():
             super().commit()
 
     def rollback(self) -> None:
-        with self._deadline():
+        with self.call_deadline():
             super().rollback()
 
 
@@ -148,14 +148,14 @@ class DeadlineCursor(psycopg.Cursor[Any]):
     def execute(self, *args: Any, **kwargs: Any) -> DeadlineCursor:
         connection = self.connection
         assert isinstance(connection, DeadlineConnection)
-        with connection._deadline():
+        with connection.call_deadline():
             super().execute(*args, **kwargs)
         return self
 
     def executemany(self, *args: Any, **kwargs: Any) -> None:
         connection = self.connection
         assert isinstance(connection, DeadlineConnection)
-        with connection._deadline():
+        with connection.call_deadline():
             super().executemany(*args, **kwargs)
 
 

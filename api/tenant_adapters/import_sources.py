@@ -58,6 +58,8 @@ def parse_source(uri: str, *, resolve: bool = False) -> ImportSource:
     `resolve`: follow symlinks in a `file://` path (touches the file system)."""
     if len(uri) > _MAX_URI_CHARS:
         raise ValueError(f"uri is longer than {_MAX_URI_CHARS} characters")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in uri):  # NUL cannot even be stored in PostgreSQL
+        raise ValueError("uri must not contain control characters")
     parts = urlsplit(uri)
     scheme = parts.scheme.lower()
     if parts.query or parts.fragment:

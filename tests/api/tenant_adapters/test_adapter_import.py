@@ -299,6 +299,14 @@ def test_imports_are_off_by_default() -> None:
     assert refused.value.status == 403 and "adapter_import_allow_file" in refused.value.message
 
 
+def test_control_characters_in_a_uri_are_400() -> None:
+    settings = Settings(adapter_import_prefixes=["s3://bucket/prefix"])
+    for uri in ("s3://bucket/prefix/a\x00b", "s3://bucket/prefix/a\nb"):
+        with pytest.raises(APIError) as refused:
+            check_source(settings, uri)
+        assert refused.value.status == 400 and "control characters" in refused.value.message
+
+
 def test_unreachable_store_is_503_with_retry_after(
     s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
