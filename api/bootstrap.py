@@ -80,7 +80,7 @@ def build_state(settings: Settings) -> AppState:
         upgrade(settings.db_url)
     sessions, store = _open_registry(settings)
     disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
-    adapter_fetch = AdapterFetch(disk)
+    adapter_fetch = AdapterFetch(disk, wait_s=settings.adapter_fetch_wait_s)
     model_dir = resolve_model(settings)
     record_served_model(data_dir, settings.model_source)
     admin_key, admin_created, server_secret = _secrets(settings, data_dir)
@@ -143,8 +143,7 @@ def _open_registry(settings: Settings) -> tuple[sessionmaker[Session], ObjectSto
     sessions = session_factory(
         make_engine(
             settings.db_url,
-            connect_timeout_s=settings.db_connect_timeout_s,
-            read_timeout_s=settings.db_read_timeout_s,
+            timeout_s=settings.db_timeout_s,
         )
     )
     store = open_store(

@@ -64,6 +64,11 @@ class Settings(BaseSettings):
     # `upload_limits`).
     max_upload_bytes: int | None = Field(None, ge=1)
     max_concurrent_uploads: int = Field(4, ge=1)  # received + validated + stored at once; more -> 429
+    # ... of which one tenant may hold at most this many (api/tenant_adapters/upload_gate.py); more -> 429
+    max_concurrent_uploads_per_tenant: int = Field(2, ge=1)
+    # An upload body must arrive within request_body_timeout_s plus its size (Content-Length, else the
+    # upload limit) at this rate, else 408: a trickling client cannot hold its slot for long.
+    upload_min_bytes_per_s: int = Field(256 << 10, ge=1)
     # Requests of one tenant planned (tokenized) at once in this process; more wait
     # (api/tenancy/plan_gate.py).
     max_concurrent_plans_per_tenant: int = Field(4, ge=1)
@@ -94,10 +99,14 @@ class Settings(BaseSettings):
 
     # Slow dependencies: bounded waits, so a hung object store or database ends in an error.
     store_connect_timeout_s: float = Field(3.0, gt=0)  # S3: TCP connect, per attempt
-    store_read_timeout_s: float = Field(20.0, gt=0)  # S3: silence on an open connection, per attempt
+    store_read_timeout_s: float = Field(5.0, gt=0)  # S3: silence on an open connection, per attempt
     store_max_attempts: int = Field(3, ge=1)  # S3: attempts per call (botocore standard retries)
-    db_connect_timeout_s: float = Field(5.0, gt=0)  # PostgreSQL: connect timeout
-    db_read_timeout_s: float = Field(30.0, gt=0)  # PostgreSQL: unanswered connection dropped after it
+    # A request for an adapter not on local disk waits at most this for its download (queue included),
+    # then 503 adapter_unavailable + Retry-After; the download goes on (api/inference/adapter_fetch.py).
+    adapter_fetch_wait_s: float = Field(8.0, gt=0)
+    # PostgreSQL: the longest a request waits on the database, for a connection or for one call on it
+    # (a hung or stopped server included), then 503 database_unavailable (registry/db.py make_engine).
+    db_timeout_s: float = Field(5.0, gt=0)
     ready_timeout_s: float = Field(2.0, gt=0)  # /ready: longest wait for one dependency probe
     # Admission fairness: while another tenant below its fair share waits, no tenant takes more than its
     # share of the in-flight slots (api/tenancy/admission.py); a lone tenant may use them all.

@@ -36,6 +36,7 @@ from api.settings import Settings
 from api.tenancy.admission import Admission
 from api.tenancy.keyfiles import tenant_cache_salt
 from api.tenant_adapters.registrar import Registrar
+from api.tenant_adapters.upload_gate import TenantUploadGate
 from api.tenant_adapters.uploads import UploadLimits, upload_limits
 from api.tenant_adapters.views import Residency
 from base_engine.async_engine import AsyncEngine
@@ -66,7 +67,7 @@ class AppState:
     fleet_agent: ReplicaAgent | None = None  # in fleet mode, started by the app's lifespan
     # Built in __post_init__: own thread pools, the upload bound and limits, /ready probes.
     pools: BlockingPools = field(init=False)
-    upload_gate: UploadGate = field(init=False)
+    upload_gate: TenantUploadGate = field(init=False)
     upload_limits: UploadLimits = field(init=False)
     ready_probes: dict[str, Probe] = field(init=False)
     residency: Residency = field(init=False)  # where an adapter version lives now
@@ -76,7 +77,12 @@ class AppState:
 
     def __post_init__(self) -> None:
         self.pools = BlockingPools(max_uploads=self.settings.max_concurrent_uploads)
-        self.upload_gate = UploadGate(self.settings.max_concurrent_uploads)
+        self.upload_gate = TenantUploadGate(
+            UploadGate(self.settings.max_concurrent_uploads),
+            per_tenant=min(
+                self.settings.max_concurrent_uploads_per_tenant, self.settings.max_concurrent_uploads
+            ),
+        )
         self.upload_limits = upload_limits(self.settings, self.base_shapes)
         self.ready_probes = {
             "database": Probe("database", self._ping_database, self.pools.probes),

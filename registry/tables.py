@@ -1,7 +1,8 @@
 """Every registry table on one metadata: what Alembic compares revisions against and `create_all` builds.
 
 The tables live in one module per idea (models.py: tenants, keys, adapters, usage, audit;
-fleet_models.py: fleet membership; fleet_state_models.py: fleet-wide quota and console state), all
+fleet_models.py: fleet membership; fleet_state_models.py: fleet-wide quota and console state;
+import_models.py: per-tenant import allowlists and source claims), all
 on `models.Base`. Importing this module imports each of them, so `metadata` is whole.
 """
 
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 from sqlalchemy import MetaData
 
-from registry import fleet_models, fleet_state_models, models
+from registry import fleet_models, fleet_state_models, import_models, models
 
-TABLE_MODULES = (models, fleet_models, fleet_state_models)
+TABLE_MODULES = (models, fleet_models, fleet_state_models, import_models)
 
 metadata: MetaData = models.Base.metadata

@@ -2,14 +2,16 @@
 clients, one JSON line per case on stdout and a figures table in RELIABILITY.md.
 
 Cases: abort storm, hostile uploads (both backends), mixed load, kill -9 mid-load + restart,
-dependency outages (PostgreSQL restart, S3 stop and hang), schemathesis over /openapi.json, and
-fairness between tenants (long streams, a lone tenant, fan-out, stop bounds). Each case is
+dependency outages (PostgreSQL restart, S3 stop and hang), schemathesis over /openapi.json,
+fairness between tenants (long streams, a lone tenant, fan-out, stop bounds), and on one server with
+the shipped defaults (infra): import across tenants, trickling uploads, hung store, hung postgres.
+Each case is
 bounded by timeouts; a case that fails to run prints a row with its error instead of figures. Run with
 `make reliability`; `--cases schemathesis,outages` re-runs only those cases and keeps the other rows of
 RELIABILITY.md.
 
 This file runs the cases in order; each case lives in a module of its own next to it (common, load,
-hostile, faults, fuzz, fairness) and report writes RELIABILITY.md.
+hostile, faults, fuzz, fairness, infra) and report writes RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ from reliability.fairness import FAIRNESS_CASES, fairness_server  # noqa: E402
 from reliability.faults import case_kill9, case_outages  # noqa: E402
 from reliability.fuzz import case_schemathesis  # noqa: E402
 from reliability.hostile import case_hostile_uploads  # noqa: E402
+from reliability.infra import (  # noqa: E402
+    InfraServer,
+    case_hung_postgres,
+    case_hung_store,
+    case_import_across_tenants,
+    case_trickling_uploads,
+    start_infra_server,
+)
 from reliability.load import case_abort_storm, case_load  # noqa: E402
 from reliability.report import write_report  # noqa: E402
 from tests.harness.postgres import NoPostgres, new_database, postgres_cluster  # noqa: E402
@@ -42,7 +52,9 @@ from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_
 CASES = (
     "abort storm", "hostile uploads", "mixed load", "kill -9 + restart", "outages", "schemathesis",
     *FAIRNESS_CASES,
+    "import across tenants", "trickling uploads", "hung store", "hung postgres",
 )  # fmt: skip
+INFRA_CASES = ("import across tenants", "trickling uploads", "hung store", "hung postgres")  # in this order
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run_cases(selected: list[str], stack: ExitStack, tmp: Path) -> None:
     """The selected cases in a fixed order, on servers shared where a case leaves them usable; what they
     start is stopped by `stack`."""
-    for name in ("storm", "hostile-l", "hostile-s", "load", "storm-s", "kill9", "outage", "fair"):
+    for name in ("storm", "hostile-l", "hostile-s", "load", "storm-s", "kill9", "outage", "fair", "infra"):
         (tmp / name).mkdir()
     model = save_random_checkpoint(tmp / "model", arch="llama")
     s3_server = pg_url = ""
-    if {"abort storm", "hostile uploads", "outages"} & set(selected):  # the cases on postgres-s3
+    if {"abort storm", "hostile uploads", "outages", *INFRA_CASES} & set(selected):  # on postgres-s3
         s3_server = _moto_server(stack)
         pg_url = _postgres_cluster(stack)
     server = _server_factory(stack, tmp, model, s3_server, pg_url)
@@ -105,6 +117,30 @@ def _run_cases(selected: list[str], stack: ExitStack, tmp: Path) -> None:
         fair_server = fairness_server(stack, tmp / "fair", model)
         for name in fair:
             run_case(name, "sqlite-local", lambda case=FAIRNESS_CASES[name]: case(fair_server))
+    _run_infra_cases([c for c in INFRA_CASES if want(c)], stack, tmp / "infra", model, pg_url, s3_server)
+
+
+def _run_infra_cases(
+    selected: list[str], stack: ExitStack, tmp: Path, model: Path, pg_url: str, s3_server: str
+) -> None:
+    """reliability/infra.py's rows, in INFRA_CASES order, on one server with the shipped defaults."""
+    if not selected:
+        return
+    started: list[InfraServer] = []
+
+    def infra() -> InfraServer:  # started by the first case, so a failed start is that row's error
+        if not started:
+            started.append(start_infra_server(stack, tmp, model, pg_url, s3_server))
+        return started[0]
+
+    cases = {
+        "import across tenants": case_import_across_tenants,
+        "trickling uploads": case_trickling_uploads,
+        "hung store": case_hung_store,
+        "hung postgres": case_hung_postgres,
+    }
+    for case in selected:
+        run_case(case, "postgres-s3-hanging", lambda fn=cases[case]: fn(infra()))
 
 
 def _server_factory(

@@ -1,4 +1,5 @@
-"""Admin service functions: tenants, keys, every tenant's adapters, GPU-cache pins, audit, engine stats.
+"""Admin service functions: tenants, keys, import grants, every tenant's adapters, GPU-cache pins, audit,
+engine stats.
 
 Each management action is recorded in the audit log with actor "admin". Suspending or deleting a
 tenant takes effect at once: keys and adapters are checked against the tenant's status on every
@@ -21,13 +22,16 @@ from starlette.concurrency import run_in_threadpool
 
 from api.errors import APIError, from_registry_error
 from api.fleet.sync import FleetSync
+from api.settings import Settings
 from api.tenancy.admission import Admission
+from api.tenant_adapters.import_sources import check_grant
 from api.tenant_adapters.views import Residency, adapter_views
 from base_engine.async_engine import AsyncEngine
 from registry import fleet
 from registry.adapters import delete_adapter, list_adapters, resolve_adapter
 from registry.audit import list_audit, record_audit
 from registry.errors import RegistryError
+from registry.import_grants import get_import_prefixes, set_import_prefixes
 from registry.keys import issue_key, list_keys, revoke_key
 from registry.models import TenantStatus
 from registry.tenants import create_tenant, get_tenant, list_tenants, set_tenant_quotas, set_tenant_status
@@ -116,6 +120,25 @@ def set_quotas(session: Session, *, tenant_id: str, quotas: TenantQuotas) -> dic
         session, actor=ADMIN, action="tenant.quotas", tenant_id=tenant_id, target=info.name, detail=detail
     )
     return tenant_view(info)
+
+
+def tenant_import_grants(session: Session, *, tenant_id: str) -> dict[str, Any]:
+    """The prefixes `tenant_id` may import adapters from."""
+    prefixes = _registry_call(get_import_prefixes, session, tenant_id=tenant_id)
+    return {"object": "tenant.import_prefixes", "tenant_id": tenant_id, "prefixes": prefixes}
+
+
+def grant_imports(
+    session: Session, *, settings: Settings, tenant_id: str, prefixes: list[str]
+) -> dict[str, Any]:
+    """Replace the prefixes `tenant_id` may import from; each must lie within the operator's bound
+    (400 naming the setting that refuses it)."""
+    canonical = [check_grant(settings, prefix) for prefix in prefixes]
+    saved = _registry_call(set_import_prefixes, session, tenant_id=tenant_id, prefixes=canonical)
+    record_audit(
+        session, actor=ADMIN, action="tenant.import_prefixes", tenant_id=tenant_id, detail={"prefixes": saved}
+    )
+    return {"object": "tenant.import_prefixes", "tenant_id": tenant_id, "prefixes": saved}
 
 
 def new_key(session: Session, *, tenant_id: str, label: str | None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ A background thread (never the engine thread, never the event loop), every `hear
    (a DB outage, an event committed out of id order), converges by: events are the wake-up, the
    tables the truth.
 
-Its own database engine has short timeouts (`DB_CONNECT_TIMEOUT_S`, `DB_READ_TIMEOUT_S`); an outage
+Its own database engine has a short bound (`DB_TIMEOUT_S`: connection, and each call); an outage
 only makes beats fail (logged once per outage) and the replica look "lost" to others; serving goes
 on. Engine changes run on the engine thread through the `AsyncEngine` facade, awaited from this
 thread with a deadline. A clean shutdown (`stop()`) removes the row. Prefix-cache blocks of an
@@ -49,8 +49,7 @@ RECONCILE_EVERY = 5  # beats between full reconciliations with the tables
 PRUNE_EVERY = 600  # beats between prunes of old events and long-lost replica rows
 EVENTS_KEPT_S = 24 * 3600.0
 LOST_ROWS_KEPT_S = 3600.0
-DB_CONNECT_TIMEOUT_S = 2.0
-DB_READ_TIMEOUT_S = 5.0
+DB_TIMEOUT_S = 5.0
 ENGINE_CALL_TIMEOUT_S = 10.0
 _TENANT_GONE = (FleetEventKind.TENANT_SUSPEND, FleetEventKind.TENANT_DELETE)
 
@@ -104,7 +103,7 @@ class ReplicaAgent:
     def _stop_and_leave(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=DB_CONNECT_TIMEOUT_S + DB_READ_TIMEOUT_S + ENGINE_CALL_TIMEOUT_S)
+        self._thread.join(timeout=2 * DB_TIMEOUT_S + ENGINE_CALL_TIMEOUT_S)
         try:
             with self.sessions() as session:
                 fleet.remove_replica(session, replica_id=self.replica_id)
@@ -214,7 +213,7 @@ def start_agent(
     """Join the fleet (from the app's lifespan, on its event loop) with a database engine of the
     agent's own; the caller stops it with `agent.stop()` at shutdown. Also labels this replica's
     /metrics with `replica`."""
-    db = make_engine(db_url, connect_timeout_s=DB_CONNECT_TIMEOUT_S, read_timeout_s=DB_READ_TIMEOUT_S)
+    db = make_engine(db_url, timeout_s=DB_TIMEOUT_S)
     agent = ReplicaAgent(
         replica,
         metrics=metrics,

@@ -49,8 +49,7 @@ class Ingress:
         settings = load_settings(**overrides)
         engine = make_engine(
             settings.db_url,
-            connect_timeout_s=settings.db_connect_timeout_s,
-            read_timeout_s=settings.db_read_timeout_s,
+            timeout_s=settings.db_timeout_s,
         )
         self.router = AdapterRouter(
             session_factory(engine), base_model=settings.model_name, affinity=affinity

@@ -2,9 +2,12 @@
 
 Two callers fetch an adapter's files into the disk tier (registry/disk_cache.py, which downloads
 each version once however many ask):
-- the API, before admitting a request for an adapter the engine does not hold (`ensure_local`, in a
-  small pool of its own): an unreachable object store is then a retryable 503 before any 200, for
-  streams too, and no admission slot is held while the files download;
+- the API, before admitting a request for an adapter the engine does not hold (`ensure_local`): an
+  adapter already in the disk tier returns at once, never queueing behind downloads; a download runs
+  in a small pool of its own and is waited for at most `wait_s` (`adapter_fetch_wait_s`), so an
+  unreachable or hung object store is a retryable 503 before any 200, for streams too, within that
+  bound (the download goes on, and a retry finds the files local), and no admission slot is held
+  while the files download;
 - the engine's adapter cache (adapters/cache.py, adapters/loader.py), which loads in the background
   through `fetch` and fails the requests waiting for an adapter whose load failed (and tries again
   after a pause, at once when the files have reached the disk tier meanwhile). There, an
@@ -38,8 +41,11 @@ class StoreUnreachable(ConnectionError):
 
 
 class AdapterFetch:
-    def __init__(self, disk: DiskTier) -> None:
+    def __init__(self, disk: DiskTier, *, wait_s: float) -> None:
+        if wait_s <= 0:
+            raise ValueError(f"wait_s must be > 0, got {wait_s}")
         self.disk = disk
+        self.wait_s = wait_s  # longest a request waits for a download (queue included)
         self._unreachable: set[str] = set()  # ref ids whose last fetch met an unreachable store
         self._fetching: dict[str, Future[Path]] = {}  # ref id -> the API's download in progress
         self._lock = threading.Lock()
@@ -65,15 +71,22 @@ class AdapterFetch:
 
     async def ensure_local(self, ref: AdapterRef) -> None:
         """Have `ref`'s files in the disk tier (at once when they are); concurrent callers for one
-        adapter share one download. Raises StoreUnreachable, or the disk tier's other errors."""
+        adapter share one download. Raises StoreUnreachable (also when the download, queue included,
+        is not done within `wait_s`), or the disk tier's other errors."""
+        if self.disk.local_path(ref) is not None:  # a dict lookup and one stat: no pool, no queue
+            return
         with self._lock:
             future = self._fetching.get(ref.id)
             if future is None:
                 future = self._pool.submit(self, ref)
                 self._fetching[ref.id] = future
                 future.add_done_callback(lambda _, ref_id=ref.id: self._done(ref_id))
-        # Shielded: one caller going away (a disconnect) must not cancel the others' download.
-        await asyncio.shield(asyncio.wrap_future(future))
+        # Shielded: one caller going away (a disconnect) or giving up must not cancel the download.
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.wait_s)
+        except TimeoutError:
+            logger.warning("adapter %s: not fetched within %g s; the download goes on", ref.id, self.wait_s)
+            raise StoreUnreachable(f"the adapter's files did not arrive within {self.wait_s:g} s") from None
 
     def is_unreachable(self, ref_id: str) -> bool:
         """The last fetch of `ref_id` failed because the object store could not be reached."""

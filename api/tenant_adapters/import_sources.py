@@ -1,10 +1,13 @@
-"""Where an adapter may be imported from by reference: URI parsing and the operator's allowlist.
+"""Where an adapter may be imported from by reference: URI parsing, the operator's bound and each
+tenant's allowlist.
 
 A source is an object-store prefix holding `adapter_config.json` and `adapter_model.safetensors`:
 `s3://bucket/prefix` (read with the server's own credentials, as LoRAX does) or, only when the
 operator sets `adapter_import_allow_file`, a local `file:///dir`. Because the server reads it with
-its own rights, a source must lie under one of `adapter_import_prefixes` (empty: imports are off),
-and never overlap this server's registry (every tenant's adapters) or, for `file://`, its data
+its own rights, a source must lie under one of `adapter_import_prefixes` (the operator's bound; empty:
+imports are off) and under one of the importing tenant's own prefixes, which the admin grants that
+tenant (`check_grant`, `PUT /admin/api/tenants/{id}/import-prefixes`; none: that tenant cannot
+import), and never overlap this server's registry (every tenant's adapters) or, for `file://`, its data
 directory (keys, database) — not even when an allowlisted prefix covers them (a source *above*
 them is fine: only the two files directly under it are read). Prefixes match whole path
 segments: `s3://b/team` covers `s3://b/team/x`, not `s3://b/team-b`. `.`/`..` segments are refused,
@@ -55,6 +58,8 @@ def parse_source(uri: str, *, resolve: bool = False) -> ImportSource:
     `resolve`: follow symlinks in a `file://` path (touches the file system)."""
     if len(uri) > _MAX_URI_CHARS:
         raise ValueError(f"uri is longer than {_MAX_URI_CHARS} characters")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in uri):  # NUL cannot even be stored in PostgreSQL
+        raise ValueError("uri must not contain control characters")
     parts = urlsplit(uri)
     scheme = parts.scheme.lower()
     if parts.query or parts.fragment:
@@ -122,6 +127,36 @@ def check_source(settings: Settings, uri: str, *, resolve: bool = False) -> Impo
     if any(source.is_under(own) for own in _server_own(settings, resolve=resolve)):
         raise _forbidden("uri points into this server's own adapter registry or data: never importable")
     return source
+
+
+def check_granted(source: ImportSource, granted: list[str], *, resolve: bool = False) -> None:
+    """403 unless `source` lies under one of the tenant's `granted` prefixes (malformed ones allow
+    nothing)."""
+    if not granted:
+        raise _forbidden(
+            "importing adapters by reference is not enabled for this tenant: the admin grants it "
+            "prefixes (import_prefixes)"
+        )
+    prefixes = []
+    for prefix in granted:
+        try:
+            prefixes.append(parse_source(prefix, resolve=resolve))
+        except ValueError:
+            continue
+    if not any(source.is_under(prefix) for prefix in prefixes):
+        raise _forbidden("uri is not under any prefix this tenant may import from (import_prefixes)")
+
+
+def check_grant(settings: Settings, prefix: str) -> str:
+    """`prefix` in canonical form if the admin may grant it to a tenant: well-formed, within the
+    operator's bound (`adapter_import_prefixes`, `adapter_import_allow_file`), and not into this
+    server's registry or data; else 400 naming what refuses it."""
+    try:
+        return check_source(settings, prefix).uri
+    except APIError as exc:
+        raise APIError(
+            400, f"prefix {prefix[:200]!r}: {exc.message}", code="invalid_value", param="prefixes"
+        ) from None
 
 
 def check_local_object(source: ImportSource, key: str) -> None:

@@ -1,16 +1,19 @@
 """Adapters by reference: register an adapter from an object-store prefix, no multipart.
 
 `POST /v1/adapters/import` (tenant key) and `POST /admin/api/tenants/{id}/adapters/import` (admin key)
-take `{"name", "uri"}`; `uri` must pass api/tenant_adapters/import_sources.py (allowlist, never the
-registry). Then,
-like an upload (api/tenant_adapters/service.py) and under the same `max_concurrent_uploads` gate, pool and
+take `{"name", "uri"}`; `uri` must pass api/tenant_adapters/import_sources.py (the operator's bound
+and the tenant's own prefixes, never the registry). A source belongs to the first tenant that imported
+from it (`registry.import_grants`): another tenant's import of it is the same 404 as a source with no
+objects, so "someone else's" and "nothing there" cannot be told apart. Then, like an upload
+(api/tenant_adapters/service.py), in the same upload slots (the server's and the tenant's), pool and
 `upload_timeout_s`, a worker of the upload pool:
 1. opens the source with the registry's store opener (connect/read timeouts, bounded attempts);
 2. reads each object's size (HEAD) and refuses one past the upload limits with 413 before
    downloading anything, then downloads both into a temporary directory (sizes checked again);
-3. registers them through the upload's own path (`service.register_in_worker`), so
-   fail-closed validation, quotas, the base-name refusal and identical-files dedupe all apply.
-Errors: a missing object is 400 naming it, an invalid adapter 400 `invalid_adapter` with the
+3. claims the source for the tenant, and registers the files through the upload's own path
+   (`service.register_in_worker`), so fail-closed validation, quotas, the base-name refusal and
+   identical-files dedupe all apply (a failed registration gives a new claim back).
+Errors: a missing object is 404 naming it, an invalid adapter 400 `invalid_adapter` with the
 validator's cause (as for an upload: this API answers invalid input with 400, never 422), an
 unreachable store 503 + Retry-After; bodies never name the store's endpoint or the URI (api/errors.py).
 """
@@ -26,13 +29,20 @@ from typing import Any
 from api.context import Caller
 from api.errors import APIError, from_registry_error
 from api.settings import Settings
-from api.tenant_adapters.import_sources import ImportSource, check_local_object, check_source
+from api.tenant_adapters.import_sources import ImportSource, check_granted, check_local_object, check_source
 from api.tenant_adapters.registrar import Registrar
 from api.tenant_adapters.service import UPLOAD_RETRY_AFTER_S, register_in_worker, run_registration
 from api.tenant_adapters.uploads import MAX_CONFIG_BYTES, UploadLimits
 from api.tenant_adapters.views import version_view
 from registry.adapters import Registration
 from registry.errors import NotFound, ObjectNotFound, RegistryError
+from registry.import_grants import (
+    Claim,
+    claim_import_source,
+    get_import_prefixes,
+    is_claimed_by_another,
+    release_import_source,
+)
 from registry.models import TenantStatus
 from registry.store import ObjectStore
 from registry.stores import open_store
@@ -56,14 +66,16 @@ async def import_adapter(
 ) -> tuple[dict[str, Any], bool]:
     """The registered version's view and whether it is new (False: identical to the latest version).
     `settings`: the allowed sources and the timeouts of the source's store."""
-    return await _import(registrar, settings, lambda: caller, name, uri)
+    return await _import(registrar, settings, caller.tenant.id, lambda: caller, name, uri)
 
 
 async def import_adapter_for_tenant(
     *, registrar: Registrar, settings: Settings, tenant_id: str, name: str, uri: str
 ) -> tuple[dict[str, Any], bool]:
     """`import_adapter` by the admin into `tenant_id` (404 for an unknown or deleted tenant)."""
-    return await _import(registrar, settings, lambda: _admin_caller(registrar, tenant_id), name, uri)
+    return await _import(
+        registrar, settings, tenant_id, lambda: _admin_caller(registrar, tenant_id), name, uri
+    )
 
 
 def _admin_caller(registrar: Registrar, tenant_id: str) -> Caller:
@@ -75,7 +87,12 @@ def _admin_caller(registrar: Registrar, tenant_id: str) -> Caller:
 
 
 async def _import(
-    registrar: Registrar, settings: Settings, who: Callable[[], Caller], name: str, uri: str
+    registrar: Registrar,
+    settings: Settings,
+    tenant_id: str,
+    who: Callable[[], Caller],
+    name: str,
+    uri: str,
 ) -> tuple[dict[str, Any], bool]:
     try:
         check_name("adapter", name)  # before any download; registration checks it again
@@ -86,7 +103,9 @@ async def _import(
     async def prepare(tmp: Path) -> tuple[str, Callable[[], Registration]]:
         return name, lambda: _import_in_worker(registrar, settings, who, name, source, tmp)
 
-    registration = await run_registration(registrar, prepare, what="import", on_error=import_error)
+    registration = await run_registration(
+        registrar, prepare, tenant_id=tenant_id, what="import", on_error=import_error
+    )
     return version_view(registration.info, residency=registrar.residency), registration.is_new
 
 
@@ -99,10 +118,16 @@ def _import_in_worker(
     tmp: Path,
 ) -> Registration:
     caller = who()
-    if source.scheme == "file":  # again with symlinks resolved, now that we are off the event loop
+    tenant_id = caller.tenant.id
+    resolve = source.scheme == "file"  # again with symlinks resolved, now that we are off the event loop
+    if resolve:
         source = check_source(settings, source.uri, resolve=True)
         for key in (CONFIG_FILE, WEIGHTS_FILE):
             check_local_object(source, key)
+    with registrar.sessions() as session:
+        check_granted(source, get_import_prefixes(session, tenant_id=tenant_id), resolve=resolve)
+        if is_claimed_by_another(session, tenant_id=tenant_id, source_uri=source.uri):
+            raise _not_found()  # before any byte is read
     store = open_store(
         source.uri,
         max_attempts=settings.store_max_attempts,
@@ -110,7 +135,22 @@ def _import_in_worker(
         read_timeout_s=settings.store_read_timeout_s,
     )
     download_adapter_files(store, tmp, registrar.limits)
-    return register_in_worker(registrar, caller, name, tmp)
+    with registrar.sessions() as session:
+        claim = claim_import_source(session, tenant_id=tenant_id, source_uri=source.uri)
+    if claim is Claim.TAKEN:  # another tenant's import of it committed meanwhile
+        raise _not_found()
+    try:
+        return register_in_worker(registrar, caller, name, tmp)
+    except BaseException:
+        if claim is Claim.NEW:
+            with registrar.sessions() as session:
+                release_import_source(session, tenant_id=tenant_id, source_uri=source.uri)
+        raise
+
+
+def _not_found() -> ObjectNotFound:
+    """What a source with no adapter_config.json raises (`import_error` makes both the same 404)."""
+    return ObjectNotFound("", CONFIG_FILE)
 
 
 def download_adapter_files(store: ObjectStore, dest: Path, limits: UploadLimits) -> None:
@@ -142,7 +182,7 @@ def import_error(exc: RegistryError) -> APIError:
     """The HTTP form of a registry error met while importing (see the module docstring)."""
     if isinstance(exc, ObjectNotFound):
         return APIError(
-            400,
+            404,
             f"the source has no object {exc.key}; expected {CONFIG_FILE} and {WEIGHTS_FILE} "
             "directly under uri",
             code="import_object_not_found",

@@ -12,7 +12,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from adapters.types import AdapterSummary
-from api.http.blocking import UploadGate
+from api.tenant_adapters.upload_gate import TenantUploadGate
 from api.tenant_adapters.uploads import UploadLimits
 from api.tenant_adapters.views import Residency
 from registry.store import ObjectStore
@@ -25,7 +25,7 @@ class Registrar:
     validate: Callable[[Path], AdapterSummary]  # fail-closed, against the served base model
     base_model: str  # the served base model's name, recorded with each version
     residency: Residency  # for the views answered once a version is registered
-    gate: UploadGate  # at most `max_concurrent_uploads` registrations at once
+    gate: TenantUploadGate  # `max_concurrent_uploads` registrations at once, fewer of one tenant
     pool: Executor  # the upload pool: validation, object store and database work
     limits: UploadLimits
     uploads_dir: Path  # private temporary directories of registrations in progress

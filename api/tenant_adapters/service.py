@@ -1,12 +1,14 @@
 """Adapter REST service functions (tenant side): upload, list, inspect, delete.
 
-Upload: the body is streamed into a temporary directory (api/tenant_adapters/uploads.py), then the registry
-validates it against the served base model (`adapters.validation`) *before* anything is stored and
-records a ready version; 201 is sent only then. At most `max_concurrent_uploads` uploads run at once
-(one more: 429 + Retry-After, before its body is read); validation, the object store and the database
-work of an upload run in the upload pool (api/http/blocking.py), never on the event loop, the engine
-thread or anyio's shared pool, and an upload that takes longer than `upload_timeout_s` gets 504 (its
-worker still ends on the store's own timeouts, and only then frees its slot and its files).
+Upload: the body is streamed into a temporary directory (api/tenant_adapters/uploads.py; 408 when
+it is not in by its deadline), then the registry validates it against the served base model
+(`adapters.validation`) *before* anything is stored and records a ready version; 201 is sent only
+then. At most `max_concurrent_uploads` uploads run at once, at most
+`max_concurrent_uploads_per_tenant` of one tenant (one more: 429 + Retry-After, before its body is
+read; api/tenant_adapters/upload_gate.py); validation, the object store and the database work of an
+upload run in the upload pool (api/http/blocking.py), never on the event loop, the engine thread or
+anyio's shared pool, and an upload that takes longer than `upload_timeout_s` gets 504 (its worker
+still ends on the store's own timeouts, and only then frees its slot and its files).
 
 Reads and deletes are scoped to the caller's tenant: another tenant's adapter is the same 404 as an
 unknown name.
@@ -30,8 +32,8 @@ from sqlalchemy.orm import Session
 
 from api.context import Caller
 from api.errors import APIError, from_registry_error
-from api.http.blocking import UploadGate
 from api.tenant_adapters.registrar import Registrar
+from api.tenant_adapters.upload_gate import TenantUploadGate, UploadRefusal
 from api.tenant_adapters.uploads import receive_adapter_upload
 from api.tenant_adapters.views import Residency, adapter_views, version_view
 from registry.adapters import Registration, delete_adapter, get_adapter, list_adapters, register_adapter
@@ -93,12 +95,12 @@ async def upload_adapter(
     """The stored version's view and whether it is new (False: identical to the latest version)."""
 
     async def receive(tmp: Path) -> tuple[str, Callable[[], Registration]]:
-        name = await receive_adapter_upload(
-            request, tmp, max_bytes=registrar.limits.body_bytes, executor=registrar.pool
-        )
+        name = await receive_adapter_upload(request, tmp, limits=registrar.limits, executor=registrar.pool)
         return name, lambda: register_in_worker(registrar, caller, name, tmp)
 
-    registration = await run_registration(registrar, receive, what="upload", on_error=_upload_error)
+    registration = await run_registration(
+        registrar, receive, tenant_id=caller.tenant.id, what="upload", on_error=_upload_error
+    )
     return version_view(registration.info, residency=registrar.residency), registration.is_new
 
 
@@ -113,22 +115,19 @@ async def run_registration(
     registrar: Registrar,
     prepare: Callable[[Path], Awaitable[tuple[str, Callable[[], Registration]]]],
     *,
+    tenant_id: str,
     what: str,
     on_error: Callable[[RegistryError], APIError],
 ) -> Registration:
-    """One upload-like registration (multipart upload, import by reference) in an upload slot:
-    429 when `max_concurrent_uploads` are running; `prepare(tmp)` fills a private temporary directory
-    and returns (name, the worker's job); the job runs in the upload pool, waited for at most
-    `upload_timeout_s` (504; the worker then finishes on its own), and the slot and the directory are
-    released whenever the worker ends."""
+    """One upload-like registration (multipart upload, import by reference) in an upload slot of
+    `tenant_id`: 429 when the tenant or the server holds all it may; `prepare(tmp)` fills a private
+    temporary directory and returns (name, the worker's job); the job runs in the upload pool, waited
+    for at most `upload_timeout_s` (504; the worker then finishes on its own), and the slot and the
+    directory are released whenever the worker ends."""
     gate, timeout_s = registrar.gate, registrar.timeout_s
-    if not gate.try_enter():
-        raise APIError(
-            429,
-            f"{gate.limit} adapter uploads are in progress, the most this server takes at once; retry later",
-            code="too_many_uploads",
-            headers={"Retry-After": str(UPLOAD_RETRY_AFTER_S)},
-        )
+    refusal = gate.try_enter(tenant_id)
+    if refusal is not None:
+        raise _too_many_uploads(gate, refusal)
     uploads = registrar.uploads_dir
     tmp: Path | None = None
     job: Future[Registration] | None = None
@@ -137,7 +136,7 @@ async def run_registration(
         tmp = Path(tempfile.mkdtemp(dir=uploads))
         name, work = await prepare(tmp)
         job = registrar.pool.submit(work)
-        job.add_done_callback(lambda _: _finish_upload(gate, tmp))  # whenever the worker ends
+        job.add_done_callback(lambda _: _finish_upload(gate, tenant_id, tmp))  # whenever the worker ends
         result = asyncio.wrap_future(job)
         result.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even if nobody waits
         try:
@@ -156,15 +155,29 @@ async def run_registration(
             raise on_error(exc) from None
     finally:
         if job is None:  # never handed to a worker: clean up here
-            _finish_upload(gate, tmp)
+            _finish_upload(gate, tenant_id, tmp)
 
 
-def _finish_upload(gate: UploadGate, tmp: Path | None) -> None:
+def _too_many_uploads(gate: TenantUploadGate, refusal: UploadRefusal) -> APIError:
+    if refusal is UploadRefusal.TENANT:
+        message = (
+            f"{gate.per_tenant} adapter uploads of this tenant are in progress, the most one tenant may "
+            "run at once; retry later"
+        )
+    else:
+        message = (
+            f"{gate.server.limit} adapter uploads are in progress, the most this server takes at once; "
+            "retry later"
+        )
+    return APIError(429, message, code="too_many_uploads", headers={"Retry-After": str(UPLOAD_RETRY_AFTER_S)})
+
+
+def _finish_upload(gate: TenantUploadGate, tenant_id: str, tmp: Path | None) -> None:
     try:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        gate.leave()
+        gate.leave(tenant_id)
 
 
 def list_own_adapters(*, session: Session, residency: Residency, caller: Caller) -> list[dict[str, Any]]:

@@ -10,6 +10,9 @@ PEFT's pickle `adapter_model.bin`, with 400 naming the part.
 The limits come from the base model (`upload_limits`): the weights file may be as large as the
 largest legal adapter (adapters/limits.py: seven projections, every layer, `max_lora_rank`, fp32),
 the body that plus the largest config and the multipart framing, unless `max_upload_bytes` is set.
+The body has a deadline scaled to its size (`UploadLimits.body_deadline_s`): `request_body_timeout_s`
+plus its Content-Length (else the body limit) at `upload_min_bytes_per_s`; a body still arriving then
+is 408 `request_timeout`, so a client trickling bytes holds its upload slot only that long.
 """
 
 from __future__ import annotations
@@ -43,17 +46,33 @@ _WRITE_BATCH_BYTES = 1 << 20  # body handed to the parser (and the disk) at a ti
 class UploadLimits:
     body_bytes: int  # the whole multipart body (413 past it)
     weights_bytes: int  # adapter_model.safetensors (validation refuses a larger file)
+    body_grace_s: float = 60.0  # `request_body_timeout_s`: any body may take this long ...
+    min_bytes_per_s: int = 256 << 10  # ... plus its size at this rate (`upload_min_bytes_per_s`)
+
+    def body_deadline_s(self, declared_bytes: int | None) -> float:
+        """Seconds the body may take: 10 MiB declared at 256 KiB/s, 60 s grace -> 100 s."""
+        size = self.body_bytes if declared_bytes is None else min(declared_bytes, self.body_bytes)
+        return self.body_grace_s + size / self.min_bytes_per_s
 
 
 def upload_limits(settings: Settings, base: BaseModelShapes) -> UploadLimits:
     """The body and weights limits for this base model and `max_lora_rank` (see the module docstring)."""
     weights = max_adapter_weights_bytes(base, settings.max_lora_rank)
     body = settings.max_upload_bytes or weights + MAX_CONFIG_BYTES + _FORM_OVERHEAD_BYTES
-    return UploadLimits(body_bytes=body, weights_bytes=min(weights, body))
+    return UploadLimits(
+        body_bytes=body,
+        weights_bytes=min(weights, body),
+        body_grace_s=settings.request_body_timeout_s,
+        min_bytes_per_s=settings.upload_min_bytes_per_s,
+    )
 
 
 def _too_large(max_bytes: int) -> APIError:
     return APIError(413, f"upload body exceeds the limit of {max_bytes} bytes", code="payload_too_large")
+
+
+def _too_slow(deadline_s: float) -> APIError:
+    return APIError(408, f"the upload body did not arrive within {deadline_s:.0f} s", code="request_timeout")
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -145,19 +164,23 @@ class _AdapterForm:
 
 
 async def receive_adapter_upload(
-    request: Request, dest: Path, *, max_bytes: int, executor: Executor | None = None
+    request: Request, dest: Path, *, limits: UploadLimits, executor: Executor | None = None
 ) -> str:
     """Write the upload's files into `dest`; returns the adapter name from the `name` field.
 
-    With an `executor`, parsing and the file writes run there, `_WRITE_BATCH_BYTES` of body at a
-    time, so a slow disk never blocks the event loop."""
+    413 past `limits.body_bytes`, 408 past `limits.body_deadline_s`. With an `executor`, parsing and
+    the file writes run there, `_WRITE_BATCH_BYTES` of body at a time, so a slow disk never blocks the
+    event loop."""
+    max_bytes = limits.body_bytes
     content_type, options = parse_options_header(request.headers.get("content-type", ""))
     boundary = options.get(b"boundary")
     if content_type != b"multipart/form-data" or not boundary:
         raise _bad(f"expected a multipart/form-data body, got content-type {content_type.decode()!r}")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    declared_bytes = int(declared) if declared is not None and declared.isdigit() else None
+    if declared_bytes is not None and declared_bytes > max_bytes:
         raise _too_large(max_bytes)
+    deadline_s = limits.body_deadline_s(declared_bytes)
     form = _AdapterForm(dest)
     parser = MultipartParser(boundary, form.callbacks())  # type: ignore[arg-type]
     received = 0
@@ -170,8 +193,16 @@ async def receive_adapter_upload(
         else:
             await loop.run_in_executor(executor, parser.write, data)
 
+    deadline = loop.time() + deadline_s
+    chunks = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:  # only the wait for the client's bytes is timed, never a write in the executor
+                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - loop.time()))
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise _too_slow(deadline_s) from None
             received += len(chunk)
             if received > max_bytes:
                 raise _too_large(max_bytes)

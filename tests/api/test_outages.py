@@ -12,6 +12,7 @@ or tenant id.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from registry.disk_cache import DiskTier
 from registry.errors import StoreUnavailable
 from registry.store import LocalStore, put_content
 from registry.types import make_source
+from tests.harness.hanging_proxy import HangingProxy
 from tests.harness.postgres import new_database
 from tests.harness.s3 import s3_backend
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
@@ -104,6 +106,60 @@ def test_postgres_outage_is_503_with_retry_after_then_recovers(
 
 
 @pytest.mark.slow
+def test_stopped_postgres_is_503_within_the_database_timeout(
+    tiny_llama_dir: Path, tmp_path: Path, postgres_url: str
+) -> None:
+    """A database that stops answering while its host still acknowledges (what SIGSTOP looks like; here
+    a proxy that swallows every byte): requests that need it are 503 `database_unavailable` within
+    `db_timeout_s`, /health stays fast, and service comes back when the database does."""
+    direct = new_database(postgres_url)
+    host_port = direct.split("@", 1)[1].split("/", 1)[0]
+    with HangingProxy(host_port) as proxy:
+        args = main_server_args(tiny_llama_dir) + [
+            "--db",
+            direct.replace(host_port, proxy.url.removeprefix("http://")),
+        ]
+        env = {"LORASERVE_ADMIN_KEY": ADMIN_KEY, "LORASERVE_DB_TIMEOUT_S": "3"}
+        process = ServerProcess(args, tmp_path / "data", env=env).start()
+        try:
+            base = process.base_url
+            key = httpx.post(
+                f"{base}/admin/api/tenants", json={"name": "hung"}, headers=bearer(ADMIN_KEY)
+            ).json()["api_key"]
+            chat = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            requests: list[tuple[str, str, dict[str, Any]]] = [
+                ("POST", "/v1/chat/completions", {"json": chat, "headers": bearer(key)}),
+                ("GET", "/v1/models", {"headers": bearer(key)}),
+                ("GET", "/admin/api/tenants", {"headers": bearer(ADMIN_KEY)}),
+            ]
+            for method, path, kwargs in requests:
+                assert httpx.request(method, base + path, timeout=60, **kwargs).status_code == 200, path
+
+            proxy.hang()
+            secrets = [proxy.url, host_port, "postgres", "psycopg", str(process.data_dir)]
+            for method, path, kwargs in requests * 2:  # the first meets pooled connections, later ones new
+                start = time.monotonic()
+                r = httpx.request(method, base + path, timeout=30, **kwargs)
+                assert time.monotonic() - start < 3 + 1.5, (path, time.monotonic() - start)
+                assert_unavailable(r, {"database_unavailable"}, secrets)
+                start = time.monotonic()
+                assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+                assert time.monotonic() - start < 0.5
+
+            proxy.resume()
+            url = f"{base}/v1/chat/completions"
+            wait_for(
+                lambda: httpx.post(url, json=chat, headers=bearer(key), timeout=30).status_code == 200,
+                30,
+                interval=0.2,
+                what="served again",
+            )
+        finally:
+            proxy.resume()
+            assert process.stop() == 0, process.log()[-3000:]
+
+
+@pytest.mark.slow
 def test_s3_outage_is_a_retryable_503_for_adapters_not_yet_loaded(
     tiny_llama_dir: Path, tmp_path: Path, s3_server: str
 ) -> None:
@@ -172,7 +228,7 @@ def test_adapter_fetch_tells_an_unreachable_store_from_other_failures(tmp_path: 
         raise StoreUnavailable("cannot reach S3 endpoint http://10.1.2.3:9000 (get s3://bucket/sha256/...)")
 
     store.get = down  # type: ignore[method-assign]
-    fetch = AdapterFetch(DiskTier(tmp_path / "disk", store))
+    fetch = AdapterFetch(DiskTier(tmp_path / "disk", store), wait_s=30)
     with pytest.raises(StoreUnreachable) as info:
         fetch(ref)
     assert "10.1.2.3" not in str(info.value) and fetch.is_unreachable(ref.id)

@@ -1,7 +1,11 @@
-"""Adapters for the API tests, built with `peft` on the tiny Llama's shapes, and a multipart uploader."""
+"""Adapters for the API tests, built with `peft` on the tiny Llama's shapes, a multipart uploader, and a
+client that trickles an upload's body (raw sockets: its answer read by hand)."""
 
 from __future__ import annotations
 
+import select
+import socket
+import time
 import warnings
 from pathlib import Path
 
@@ -53,3 +57,42 @@ def upload(server: Server, key: str, name: str, files: dict[str, bytes]) -> http
         files=parts,
         timeout=120,
     )
+
+
+def trickling_upload(
+    base_url: str, key: str, declared_bytes: int, *, timeout_s: float = 30.0
+) -> socket.socket:
+    """An upload (raw socket, reads time out after `timeout_s`) whose headers, declaring
+    `declared_bytes`, and first bytes arrive, and then nothing more: a client trickling its body."""
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    head = (
+        "POST /v1/adapters HTTP/1.1\r\n"
+        f"Host: {host}\r\n"
+        f"Authorization: Bearer {key}\r\n"
+        "Content-Type: multipart/form-data; boundary=xyz\r\n"
+        f"Content-Length: {declared_bytes}\r\n\r\n"
+        '--xyz\r\nContent-Disposition: form-data; name="name"\r\n\r\nslow\r\n--xyz\r\n'
+    )
+    sock.sendall(head.encode())
+    return sock
+
+
+def answered_within(socks: list[socket.socket], seconds: float) -> list[socket.socket]:
+    """The sockets on which an answer arrived within `seconds`."""
+    deadline, answered = time.monotonic() + seconds, []
+    while (left := deadline - time.monotonic()) > 0:
+        readable, _, _ = select.select([s for s in socks if s not in answered], [], [], left)
+        answered += readable
+    return answered
+
+
+def response_status(sock: socket.socket) -> int:
+    """The status code of the answer on `sock`."""
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return int(data.split(b" ", 2)[1])

@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.fleet.agent import DB_CONNECT_TIMEOUT_S, ReplicaAgent
+from api.fleet.agent import ReplicaAgent
 from api.fleet.views import merge_expositions
 from api.metrics.prometheus import Metrics
 from api.state import AppState
@@ -143,7 +143,7 @@ def test_a_hung_database_ends_a_beat_within_the_agents_timeout(
     with HangingProxy(host_port) as proxy:
         proxy.hang()
         url = postgres_db_url.replace(host_port, proxy.url.removeprefix("http://"))
-        engine = make_engine(url, connect_timeout_s=DB_CONNECT_TIMEOUT_S, read_timeout_s=2.0)
+        engine = make_engine(url, timeout_s=2.0)
         agent = ReplicaAgent(
             dataclasses.replace(state.replica, replica_id="cut-off"),
             metrics=state.metrics,
@@ -152,7 +152,7 @@ def test_a_hung_database_ends_a_beat_within_the_agents_timeout(
         )
         began = time.monotonic()
         agent.tick()  # never raises: serving must go on
-        assert time.monotonic() - began < DB_CONNECT_TIMEOUT_S + 3
+        assert time.monotonic() - began < 2.0 + 3
         assert agent.cursor is None and agent.num_beats == 0
         engine.dispose()
 

@@ -210,7 +210,7 @@ def test_database_outage_refuses_with_503_never_unlimited(tmp_path) -> None:  # 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
-    engine = make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/none", connect_timeout_s=2)
+    engine = make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/none", timeout_s=2)
     limiter = DbQuotaLimiter(session_factory(engine), TenantQuotas(rpm=10))
     try:
         with pytest.raises(APIError) as refused:

@@ -1,7 +1,8 @@
 """Adapters by reference: `POST /v1/adapters/import` and the admin's, from moto's S3 over HTTP.
 
 One real server (SQLite, registry on S3) whose allowlist names an import prefix, the registry's own
-bucket (listed on purpose: it must still be refused) and a local directory (file:// switched on).
+bucket (listed on purpose: it must still be refused) and a local directory (file:// switched on);
+each test tenant is granted those prefixes by the admin (`ImportServer.tenant`), unless it asks not to be.
 Oracles: sha256 of the source bytes, the multipart upload of the same files (same version), the
 base model's greedy output (the imported adapter changes it), the registry's object listing.
 """
@@ -49,6 +50,15 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
 class ImportServer(Server):
     source: dict[str, str] = None  # type: ignore[assignment]  # AWS_* env and the import bucket
     local: Path = None  # type: ignore[assignment]  # an allowlisted local directory
+    prefixes: list[str] = None  # type: ignore[assignment]  # the server's adapter_import_prefixes
+
+    def tenant(self, prefix: str = "t", *, granted: bool = True) -> tuple[str, str]:
+        """A new tenant, by default granted every prefix the server allows."""
+        tenant_id, key = super().tenant(prefix)
+        if granted:
+            r = self.admin("PUT", f"/tenants/{tenant_id}/import-prefixes", json={"prefixes": self.prefixes})
+            assert r.status_code == 200, r.text
+        return tenant_id, key
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +80,9 @@ def imp(
     args = [*main_server_args(tiny_llama_dir), "--registry", f"s3://{registry['bucket']}/registry"]
     process = ServerProcess(args, tmp / "data", env=env).start()
     try:
-        yield ImportServer(process, ADMIN_KEY, "sqlite-s3", registry, source=source, local=local)
+        yield ImportServer(
+            process, ADMIN_KEY, "sqlite-s3", registry, source=source, local=local, prefixes=prefixes
+        )
     finally:
         assert process.stop() == 0, process.log()[-4000:]
 
@@ -171,7 +183,7 @@ def test_oversized_objects_are_413_before_download(imp: ImportServer, good: dict
 
 
 @pytest.mark.slow
-def test_broken_or_missing_objects_are_400_with_the_cause(
+def test_broken_objects_are_400_and_missing_ones_404_with_the_cause(
     imp: ImportServer, good: dict[str, bytes], tmp_path: Path
 ) -> None:
     _, key = imp.tenant("broken")
@@ -179,7 +191,7 @@ def test_broken_or_missing_objects_are_400_with_the_cause(
     error = _error(_import(imp, key, "bad", _put(imp, f"ok/{_unique()}", other)), 400)
     assert error["code"] == "invalid_adapter" and "shape" in error["message"]
     missing = _put(imp, f"ok/{_unique()}", {CONFIG: good[CONFIG]})
-    error = _error(_import(imp, key, "bad", missing), 400)
+    error = _error(_import(imp, key, "bad", missing), 404)
     assert WEIGHTS in error["message"] and error["code"] == "import_object_not_found"
     no_bucket = f"s3://nope-{_unique()}/ok"
     assert _error(_import(imp, key, "bad", no_bucket), 403)["code"] == "import_source_forbidden"
@@ -187,6 +199,49 @@ def test_broken_or_missing_objects_are_400_with_the_cause(
     assert _error(_import(imp, key, "bad", "https://example.com/a"), 400)["param"] == "uri"
     stored = imp.store_keys()
     assert not any(k.endswith(hashlib.sha256(other[WEIGHTS]).hexdigest()) for k in stored)
+
+
+@pytest.mark.slow
+def test_another_tenants_source_is_the_same_404_as_a_missing_one(
+    imp: ImportServer, good: dict[str, bytes]
+) -> None:
+    """The admin granted A and B the same prefixes; A imported first, so the source is A's."""
+    _, key_a = imp.tenant("owner")
+    _, key_b = imp.tenant("other")
+    uri = _put(imp, f"ok/{_unique()}", good)
+    assert _import(imp, key_a, "mine", uri).status_code == 201
+    taken = _error(_import(imp, key_b, "mine", uri), 404)
+    missing = _error(_import(imp, key_b, "mine", f"s3://{imp.source['bucket']}/ok/{_unique()}"), 404)
+    assert taken == missing and taken["code"] == "import_object_not_found"
+    r = httpx.get(f"{imp.base_url}/v1/adapters", headers={"Authorization": f"Bearer {key_b}"})
+    assert r.json()["data"] == []  # nothing of A's reached B
+    assert _import(imp, key_a, "mine", uri).status_code == 200  # still A's: the same version again
+
+
+@pytest.mark.slow
+def test_imports_are_per_tenant_and_granted_by_the_admin(imp: ImportServer, good: dict[str, bytes]) -> None:
+    tenant_id, key = imp.tenant("ungranted", granted=False)
+    uri = _put(imp, f"ok/{_unique()}", good)
+    error = _error(_import(imp, key, "x", uri), 403)
+    assert "import_prefixes" in error["message"] and error["code"] == "import_source_forbidden"
+    ok_prefix = f"s3://{imp.source['bucket']}/ok"
+    outside = imp.admin(
+        "PUT", f"/tenants/{tenant_id}/import-prefixes", json={"prefixes": [f"s3://{imp.source['bucket']}/x"]}
+    )
+    assert outside.status_code == 400 and "adapter_import_prefixes" in outside.json()["error"]["message"]
+    narrow = f"{ok_prefix}/{_unique()}"
+    r = imp.admin("PUT", f"/tenants/{tenant_id}/import-prefixes", json={"prefixes": [narrow, narrow]})
+    assert r.status_code == 200 and r.json()["prefixes"] == [narrow], r.text
+    assert imp.admin("GET", f"/tenants/{tenant_id}/import-prefixes").json()["prefixes"] == [narrow]
+    error = _error(_import(imp, key, "x", uri), 403)  # under the server's bound, not under the tenant's
+    assert "import_prefixes" in error["message"]
+    assert _import(imp, key, "x", _put(imp, narrow.split("/", 3)[3] + "/a", good)).status_code == 201
+    assert imp.admin("GET", "/tenants/no-such-tenant/import-prefixes").status_code == 404
+    tenant_side = httpx.get(
+        f"{imp.base_url}/admin/api/tenants/{tenant_id}/import-prefixes",
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert tenant_side.status_code == 401
 
 
 @pytest.mark.slow
@@ -242,6 +297,14 @@ def test_imports_are_off_by_default() -> None:
     with pytest.raises(APIError) as refused:
         check_source(settings, "file:///srv/adapters/a")
     assert refused.value.status == 403 and "adapter_import_allow_file" in refused.value.message
+
+
+def test_control_characters_in_a_uri_are_400() -> None:
+    settings = Settings(adapter_import_prefixes=["s3://bucket/prefix"])
+    for uri in ("s3://bucket/prefix/a\x00b", "s3://bucket/prefix/a\nb"):
+        with pytest.raises(APIError) as refused:
+            check_source(settings, uri)
+        assert refused.value.status == 400 and "control characters" in refused.value.message
 
 
 def test_unreachable_store_is_503_with_retry_after(
