@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from api.checkpoints.gguf_config import ROPE_TENSORS, architecture_of, complete_config
+from api.checkpoints.gguf_config import ROPE_TENSORS, SPECIAL_IDS, architecture_of, complete_config
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,11 @@ def _write_checkpoint(gguf_path: Path, out: Path, extra_generation_config: Mappi
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     reader = GGUFReader(str(gguf_path))
-    metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    metadata = {
+        k: f.contents()
+        for k, f in reader.fields.items()
+        if not k.startswith("tokenizer.") or k in SPECIAL_IDS
+    }
     by_name = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(d) for d in t.shape) for name, t in by_name.items()}
 

@@ -37,16 +37,22 @@ _SHAPE_KEYS = {
 }  # fmt: skip
 _FAMILY_KEYS = {
     "gemma2": {"attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"},
-    "gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"},
+    "gemma3": {"attention.sliding_window", "rope.freq_base_swa"},
     "phi3": {"attention.sliding_window", "rope.scaling.attn_factor"},
 }
 # llama.cpp's layer counts of the 27B sizes, whose attention scale is 1/sqrt(hidden/heads), not
 # 1/sqrt(head_dim) (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-# llama.cpp's fixed values for what a Gemma file does not state.
+# llama.cpp's fixed values for what a Gemma file does not state (it reads no pattern key for these two).
 _GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+# The special token ids the file states; one it does not state is None, not the config class's default.
+SPECIAL_IDS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
 # Tensors that carry config rather than weights; read here, not loaded into the model.
 ROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 # (factor, low_freq_factor, high_freq_factor, original context) of the published Llama 3.x configs.
@@ -90,6 +96,8 @@ def complete_config(
     if unknown:
         raise ValueError(f"{source}: GGUF metadata {unknown} not understood; refusing to convert without it")
     out = dict(config)
+    for gguf_key, name in SPECIAL_IDS.items():
+        out[name] = metadata.get(gguf_key)
     out["architectures"] = [_MISTRAL if out.get("model_type") == "mistral" else ARCHITECTURES[arch]]
     heads = _int(key("attention.head_count"), f"{arch}.attention.head_count", source)
     head_dim = _head_dim(arch, key, out, heads, source)
@@ -135,9 +143,11 @@ def _head_dim(arch: str, key: Callable[..., Any], out: dict[str, Any], heads: in
             f"key_length={head_dim}; expected equal key and value head sizes"
         )
     head_dim = _int(head_dim, f"{arch}.attention.key_length", source)
-    if arch == "phi3" and head_dim != hidden // heads:
-        raise ValueError(f"{source}: phi3 head size {head_dim} must be hidden/heads={hidden // heads}")
-    out["head_dim"] = head_dim
+    if arch == "phi3":  # Phi3Config has no head_dim: always hidden/heads
+        if head_dim != hidden // heads:
+            raise ValueError(f"{source}: phi3 head size {head_dim} must be hidden/heads={hidden // heads}")
+    else:
+        out["head_dim"] = head_dim
     return head_dim
 
 
@@ -234,8 +244,7 @@ def _gemma(
     hidden = out["hidden_size"]
     out["query_pre_attn_scalar"] = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
     window = key("attention.sliding_window")
-    pattern_key = f"{arch}.attention.sliding_window_pattern"
-    pattern = _int(key("attention.sliding_window_pattern", _GEMMA_SWA_PATTERN[arch]), pattern_key, source)
+    pattern = _GEMMA_SWA_PATTERN[arch]
     if window:  # llama.cpp: layer i slides when i % pattern < pattern - 1
         out["sliding_window"] = int(window)
         out["layer_types"] = [
