@@ -101,8 +101,8 @@ def complete_config(
     out["architectures"] = [_MISTRAL if out.get("model_type") == "mistral" else ARCHITECTURES[arch]]
     heads = _int(key("attention.head_count"), f"{arch}.attention.head_count", source)
     head_dim = _head_dim(arch, key, out, heads, source)
-    if "rms_norm_eps" in out:
-        out["rms_norm_eps"] = f32(out["rms_norm_eps"])
+    if (eps := key("attention.layer_norm_rms_epsilon")) is not None:
+        out["rms_norm_eps"] = f32(eps)
     rope = {"rope_type": "default", "rope_theta": f32(key("rope.freq_base", 10000.0))}
     rope_dims = key("rope.dimension_count", head_dim)
     if arch == "phi3":

@@ -25,19 +25,20 @@ def write_gguf(
     path: Path,
     *,
     quant: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-    extra: dict[str, Any] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    drop: tuple[str, ...] = (),
 ) -> Path:
     """Write `model` + `tokenizer` to `path` as GGUF; 2-D weights in `quant` (norms, factors in F32).
-    `extra` adds raw `{arch}.<key>` metadata (for refusal tests)."""
+    `extra_tensors` and `drop` add and leave out tensors (for the refusal tests)."""
     cfg = model.config
     arch = _ARCH[cfg.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     _write_hparams(writer, cfg, arch)
     _write_tokenizer(writer, tokenizer, unk=arch.startswith("gemma"))
-    for key, value in (extra or {}).items():
-        writer.add_key_value(f"{arch}.{key}", value[0], value[1])
-    for name, data in _tensors(model, arch):
+    for name, data in _tensors(model, arch) + list((extra_tensors or {}).items()):
+        if name in drop:
+            continue
         if data.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quants.quantize(data, quant), raw_dtype=quant)
         else:
