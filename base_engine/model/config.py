@@ -17,11 +17,13 @@ from typing import Any, TypeVar
 import torch
 
 from adapters.types import BaseModelShapes
+from base_engine.model.gemma_config import GEMMA_ACTIVATION, GEMMA_ARCHITECTURES, GemmaText, gemma_text
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    **GEMMA_ARCHITECTURES,
 }
 # RoPE variants whose inverse frequencies are fixed at load time (rope.py reproduces them exactly).
 # "dynamic" and "longrope" change frequencies with the sequence length at run time: refused.
@@ -32,7 +34,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 # transformers' defaults for fields a config.json may leave out, per model_type.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}  # Gemma: gemma_config
 _T = TypeVar("_T")
 _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
@@ -89,6 +91,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: torch.dtype
+    # Gemma 2 / 3 (gemma_config.py); the defaults are the Llama family's behaviour.
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh": GeGLU with the tanh-approximated GELU
+    # The Gemma decoder: RMSNorm scaling by (1 + weight) in fp32, norms before and after both attention
+    # and MLP, embeddings times sqrt(hidden_size) (rounded to the model dtype).
+    gemma_layout: bool = False
+    layer_windows: tuple[int | None, ...] | None = None  # per layer (Gemma); None: sliding_window everywhere
+    local_rope: RopeConfig | None = None  # RoPE of the sliding-window layers, when not `rope` (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its **-0.5; None: head_dim**-0.5
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before softmax
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    has_vision_tower: bool = False  # a multimodal checkpoint whose text model alone is served
+    qk_norm: bool = False  # a per-head RMSNorm on q and on k before RoPE (q_norm / k_norm; Gemma 3)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: full attention)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
@@ -103,6 +121,14 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window} must be > 0 or None")
+        if self.layer_windows is not None:
+            windows = {w for w in self.layer_windows if w is not None}
+            if len(self.layer_windows) != self.num_hidden_layers or self.sliding_window is not None:
+                raise ValueError("layer_windows needs one entry per layer and sliding_window=None")
+            if len(windows) > 1 or any(w <= 0 for w in windows):
+                raise ValueError(f"layer_windows={self.layer_windows}: expected one window size > 0 and None")
+        if self.hidden_act not in ("silu", GEMMA_ACTIVATION):
+            raise ValueError(f"hidden_act={self.hidden_act!r}, expected 'silu' or {GEMMA_ACTIVATION!r}")
 
     def base_shapes(self) -> BaseModelShapes:
         return BaseModelShapes(
@@ -245,6 +271,9 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}; expected a Hugging Face model directory")
     raw = _read_json(path)
+    gemma = gemma_text(raw, path)
+    if gemma is not None:
+        raw = gemma.raw
     arch, model_type = _architecture(raw, path)
     hidden_size, num_heads, num_layers, vocab_size, intermediate_size = (
         _required_int(raw, key, path)
@@ -257,13 +286,13 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         )
     )
     max_positions = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type])
-    is_llama = model_type == "llama"
+    is_llama = model_type == "llama" or gemma is not None  # Gemma's attention_bias also biases o_proj
     gen_path = Path(model_dir) / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _token_ids(gen.get("eos_token_id"), gen_path) or _token_ids(raw.get("eos_token_id"), path)
     bos = raw.get("bos_token_id", gen.get("bos_token_id"))
-    rope = _parse_rope(raw, path, max_positions)
-    sliding_window = _sliding_window(raw, model_type, path, num_layers)
+    rope = _parse_rope(raw if gemma is None else gemma.global_rope, path, max_positions)
+    sliding_window = None if gemma is not None else _sliding_window(raw, model_type, path, num_layers)
     return _checked(
         path,
         ModelConfig,
@@ -287,4 +316,21 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         eos_token_ids=eos,
         bos_token_id=bos if isinstance(bos, int) else None,
         dtype=_dtype(raw, path),
+        **({} if gemma is None else _gemma_fields(gemma, path, max_positions)),
     )
+
+
+def _gemma_fields(gemma: GemmaText, path: Path, max_positions: int) -> dict[str, Any]:
+    """ModelConfig fields of a Gemma 2 / 3 text model (gemma_config.py)."""
+    local = None if gemma.local_rope is None else _parse_rope(gemma.local_rope, path, max_positions)
+    return {
+        "hidden_act": GEMMA_ACTIVATION,
+        "gemma_layout": True,
+        "layer_windows": gemma.layer_windows,
+        "local_rope": local,
+        "query_pre_attn_scalar": gemma.query_pre_attn_scalar,
+        "attn_logit_softcapping": gemma.attn_logit_softcapping,
+        "final_logit_softcapping": gemma.final_logit_softcapping,
+        "has_vision_tower": gemma.has_vision_tower,
+        "qk_norm": gemma.raw["model_type"] != "gemma2",
+    }
