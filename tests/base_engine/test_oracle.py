@@ -55,6 +55,19 @@ VARIANTS = {
         "query_pre_attn_scalar": 32,
         "tie_word_embeddings": True,
     },
+    # Gemma 2: alternating windowed / global layers, attention and final-logit soft-caps small enough
+    # to bind (scores and logits reach several times the caps), tied embeddings.
+    "gemma2-softcap": {
+        "arch": "gemma2",
+        "seed": 8,
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 4,
+        "attn_logit_softcapping": 1.5,
+        "final_logit_softcapping": 3.0,
+        "tie_word_embeddings": True,
+    },
 }
 GEMMA = sorted(v for v in VARIANTS if v.startswith("gemma"))
 
