@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2; Gemma 2/3 with the pieces of gemma.py) over a paged
-KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Gemma 2/3 with the pieces of gemma.py) over a
+paged KV cache.
 
 Module and parameter names mirror the Hugging Face checkpoints, except that q/k/v and gate/up are
 packed into one projection each (one matmul instead of three/two); `PACKED` maps checkpoint names to
@@ -73,13 +73,13 @@ class Attention(nn.Module):
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.softcap = config.attn_logit_softcapping
         self.window = config.layer_window(layer)  # None: full attention
-        self.qk_norm = config.qk_norm
-        if config.qk_norm:  # per-head RMSNorm of q and k before RoPE
-            self.q_norm = _norm(config, self.head_dim)
-            self.k_norm = _norm(config, self.head_dim)
         out = self.q_size + 2 * self.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, out, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # q/k norm (ModelConfig.qk_norm): one RMSNorm over head_dim shared by all heads (Gemma's
+        # (1 + weight) form on Gemma 3).
+        self.q_norm = _norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = _norm(config, self.head_dim) if config.qk_norm else None
 
     def forward(
         self,
@@ -94,11 +94,12 @@ class Attention(nn.Module):
         if lora is not None:
             lora.apply(self.layer, "qkv_proj", qkv, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        if self.q_norm is not None and self.k_norm is not None:  # after the LoRA deltas, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+        q = apply_rope(q, *cos_sin)
+        k = apply_rope(k, *cos_sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         # A model mixing windowed and global layers: the windowed ones read their own metadata.
