@@ -117,6 +117,8 @@ def complete_config(
         _gemma(arch, key, out, rope, heads, head_dim, source)
     else:
         out["rope_parameters"] = rope
+    if out.get("model_type") == "mistral":  # llama.cpp's llama graph has no window; MistralConfig's is 4096
+        out["sliding_window"] = None
     if arch == "phi3":
         out["sliding_window"] = key("attention.sliding_window")
         if rope["rope_type"] == "longrope":

@@ -40,6 +40,10 @@ def test_metadata_fields_are_read_from_the_file() -> None:
     assert config["rms_norm_eps"] == 1e-05 and config["head_dim"] == 16
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     assert config["pad_token_id"] is None and config["architectures"] == ["LlamaForCausalLM"]
+    mistral = complete_config(
+        {"model_type": "mistral", "sliding_window": 4096}, LLAMA, {}, {}.__getitem__, source="m.gguf"
+    )  # transformers reads a llama file named "Mistral..." as Mistral, with MistralConfig's 4096 window
+    assert mistral["architectures"] == ["MistralForCausalLM"] and mistral["sliding_window"] is None
     yarn = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}
     yarn |= {"llama.rope.scaling.original_context_length": 4096}
     assert _complete(LLAMA | yarn)["rope_parameters"] == {
