@@ -54,6 +54,44 @@ def test_metadata_fields_are_read_from_the_file() -> None:
     }
 
 
+@pytest.mark.parametrize(("arch", "layers"), [("gemma2", 46), ("gemma3", 62)])
+def test_gemma_27b_attention_scale_and_missing_window_follow_llama_cpp(arch: str, layers: int) -> None:
+    """llama.cpp scales the 27B sizes (known by layer count) by hidden/heads, the others by head_dim; a
+    Gemma 3 file without a window has full attention on every layer."""
+    metadata = {"general.architecture": arch, f"{arch}.embedding_length": 5376}
+    metadata |= {f"{arch}.attention.head_count": 32, f"{arch}.attention.key_length": 128}
+    config = {"model_type": "gemma3_text" if arch == "gemma3" else arch, "hidden_size": 5376}
+    big = complete_config(config | {"num_hidden_layers": layers}, metadata, {}, {}.__getitem__, source="m")
+    small = complete_config(config | {"num_hidden_layers": 4}, metadata, {}, {}.__getitem__, source="m")
+    assert (big["query_pre_attn_scalar"], small["query_pre_attn_scalar"]) == (168, 128)
+    assert small["layer_types"] == ["full_attention"] * 4 and small["sliding_window"] is None
+
+
+def test_phi3_longrope_attention_factor_is_kept_when_it_is_not_the_default() -> None:
+    metadata = {"general.architecture": "phi3", "phi3.embedding_length": 64, "phi3.attention.head_count": 4}
+    metadata |= {"phi3.context_length": 64, "phi3.rope.scaling.original_context_length": 16}
+    factors = {
+        n: np.ones(8, dtype=np.float32) for n in ("rope_factors_long.weight", "rope_factors_short.weight")
+    }
+    shapes = {n: t.shape for n, t in factors.items()}
+    config = {"model_type": "phi3", "num_hidden_layers": 2, "hidden_size": 64}
+    default = complete_config(
+        config,
+        metadata | {"phi3.rope.scaling.attn_factor": 1.2247449},
+        shapes,
+        factors.__getitem__,
+        source="m",
+    )
+    assert "attention_factor" not in default["rope_parameters"]  # sqrt(1 + ln 4 / ln 16) = 1.2247...
+    given = complete_config(
+        config, metadata | {"phi3.rope.scaling.attn_factor": 1.5}, shapes, factors.__getitem__, source="m"
+    )
+    assert (
+        given["rope_parameters"]["attention_factor"] == 1.5
+        and given["original_max_position_embeddings"] == 16
+    )
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
