@@ -15,7 +15,7 @@ LORA_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_p
 class BaseModelShapes:
     """What adapter validation needs to know about the base model (built by base_engine)."""
 
-    model_type: str  # "llama" | "mistral" | "qwen2"
+    model_type: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" | "gemma3"
     num_layers: int
     hidden_size: int
     intermediate_size: int

@@ -5,8 +5,9 @@ writes what it read as a plain float32 checkpoint: `model.safetensors` (the tied
 out, as `save_pretrained` does), `config.json` (no `quantization_config`, `architectures` set, so it
 reloads as an ordinary model), the tokenizer files with the GGUF's chat template, and
 `generation_config.json` with the GGUF's `general.sampling.*` defaults when it has any. The result
-reloads bit-identically in `transformers` and in our engine. Only the Llama family is accepted
-(base_engine.model.config refuses the rest with the field named).
+reloads bit-identically in `transformers` and in our engine. The config is transformers' reading of
+the file, completed from its metadata (api/checkpoints/gguf_config.py: Llama, Mistral, Qwen2/3, Gemma
+2/3, Phi-3); a file whose tensors and the model's parameters do not match one to one is refused.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from api.checkpoints.gguf_config import ROPE_TENSORS, SPECIAL_IDS, architecture_of, complete_config
+
 logger = logging.getLogger(__name__)
 
 # Bumped whenever the written checkpoint changes, so that cached conversions are redone.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 MARKER_FILE = "loraserve-conversion.json"
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # GGUF `general.sampling.*` key -> generation_config.json key (what llama.cpp's converter writes).
 _GGUF_SAMPLING = {
     "general.sampling.temp": "temperature",
@@ -92,10 +94,6 @@ def convert_gguf(
     `extra_generation_config` overrides or adds generation_config.json keys (e.g. a model card's
     recommended sampling). Returns `out_dir`; an existing finished conversion there is kept as is.
     """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
     if is_converted(out_dir):
@@ -103,37 +101,7 @@ def convert_gguf(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        src, name = str(gguf_path.parent), gguf_path.name
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
-        config = model.config.to_dict()
-        model_type = config.get("model_type")
-        if model_type not in _ARCHITECTURES:
-            raise ValueError(
-                f"{gguf_path}: GGUF architecture {model_type!r} unsupported; expected one of "
-                f"{sorted(_ARCHITECTURES)}"
-            )
-        tied = bool(config.get("tie_word_embeddings"))
-        tensors = {
-            k: v.detach().to(torch.float32).contiguous()
-            for k, v in model.state_dict().items()
-            if not (tied and k == "lm_head.weight")
-        }
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
-            config.pop(key, None)
-        config["architectures"] = [_ARCHITECTURES[model_type]]
-        config["dtype"] = "float32"
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        tokenizer.save_pretrained(str(tmp))
-        generation = {
-            k: v
-            for k, v in model.generation_config.to_diff_dict().items()
-            if k in ("bos_token_id", "eos_token_id", "pad_token_id")
-        }
-        generation |= gguf_sampling_defaults(gguf_path)
-        generation |= dict(extra_generation_config or {})
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+        _write_checkpoint(gguf_path, tmp, extra_generation_config or {})
         marker = {"version": CONVERSION_VERSION, "source": gguf_path.name, "sha256": sha256}
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
         if out_dir.exists() and not is_converted(out_dir):  # an unfinished or outdated conversion
@@ -149,3 +117,69 @@ def convert_gguf(
         raise
     logger.info("converted %s into %s", gguf_path, out_dir)
     return out_dir
+
+
+def _write_checkpoint(gguf_path: Path, out: Path, extra_generation_config: Mapping[str, Any]) -> None:
+    import torch
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    reader = GGUFReader(str(gguf_path))
+    metadata = {
+        k: f.contents()
+        for k, f in reader.fields.items()
+        if not k.startswith("tokenizer.") or k in SPECIAL_IDS
+    }
+    by_name = {t.name: t for t in reader.tensors}
+    shapes = {name: tuple(int(d) for d in t.shape) for name, t in by_name.items()}
+
+    def read_tensor(name: str) -> Any:
+        t = by_name[name]
+        return dequantize(t.data, t.tensor_type).reshape(-1)
+
+    architecture_of(metadata, str(gguf_path))  # an unsupported file fails before the slow part
+    src, name = str(gguf_path.parent), gguf_path.name
+    guessed = AutoConfig.from_pretrained(src, gguf_file=name).to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        guessed.pop(key, None)
+    fields = complete_config(guessed, metadata, shapes, read_tensor, source=str(gguf_path))
+    config = AutoConfig.for_model(**fields)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        src, gguf_file=name, config=config, dtype=torch.float32, output_loading_info=True
+    )
+    tied = bool(config.tie_word_embeddings)
+    _check_every_tensor_loaded(model, info, set(shapes), tied=tied, source=str(gguf_path))
+    tensors = {
+        k: v.detach().to(torch.float32).contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    fields["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(str(out))
+    generation = {
+        k: v
+        for k, v in model.generation_config.to_diff_dict().items()
+        if k in ("bos_token_id", "eos_token_id", "pad_token_id")
+    }
+    generation |= gguf_sampling_defaults(gguf_path)
+    generation |= dict(extra_generation_config)
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+
+
+def _check_every_tensor_loaded(
+    model: Any, info: Mapping[str, Any], gguf_tensors: set[str], *, tied: bool, source: str
+) -> None:
+    """Refuse a file whose tensors and the model's parameters do not match one to one: transformers
+    would leave an unmatched parameter randomly initialised and drop an unmatched tensor, silently."""
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    missing = sorted(k for k in info.get("missing_keys", ()) if not (tied and k == "lm_head.weight"))
+    if missing:
+        raise ValueError(f"{source}: the GGUF has no tensor for {missing}; refusing a half-loaded model")
+    mapped = set(get_gguf_hf_weights_map(model, TensorProcessor()))
+    unused = sorted(gguf_tensors - mapped - set(ROPE_TENSORS))
+    if unused:
+        raise ValueError(f"{source}: GGUF tensors {unused[:8]} have no place in {type(model).__name__}")

@@ -183,6 +183,8 @@ def serve(
         typer.echo(f"Using the random-weight demo model in {settings.demo_model_dir}")
     elif source.kind == "default":
         typer.echo(f"Serving the default model {source.served_name} (models kept in {settings.models_path})")
+    elif source.kind == "packaged":
+        typer.echo(f"Serving {source.served_name} (models kept in {settings.models_path})")
     os.umask(0o077)  # whatever the server writes is private to its user (api/tenancy/keyfiles.py)
     try:
         state = build_state(settings)

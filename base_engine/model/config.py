@@ -1,10 +1,12 @@
 """The base model's configuration, from a Hugging Face checkpoint's config.json and generation_config.json.
 
-Follows the `transformers` config format for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM,
+Follows the `transformers` config format for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
+Qwen3ForCausalLM,
 both as published checkpoints write it (`rope_theta` + `rope_scaling` with `rope_type` or the legacy
 `type` key, `torch_dtype`) and as `transformers` 5 writes it (`rope_parameters`, `dtype`). Anything the
 engine could not reproduce exactly (another activation, dynamic/long RoPE, quantized weights, per-layer
-sliding windows) is refused here with the file and field named, never approximated.
+sliding windows) is refused here with the file and field named, never approximated; so is an architecture
+we do not serve, with the piece it lacks (unsupported.py).
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from typing import Any, TypeVar
 import torch
 
 from adapters.types import BaseModelShapes
+from base_engine.model.gemma_config import GEMMA_ACTIVATION, GEMMA_ARCHITECTURES, GemmaText, gemma_text
+from base_engine.model.unsupported import MODEL_TABLE, architecture_refusal
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    **GEMMA_ARCHITECTURES,
 }
 # RoPE variants whose inverse frequencies are fixed at load time (rope.py reproduces them exactly).
 # "dynamic" and "longrope" change frequencies with the sequence length at run time: refused.
@@ -32,7 +38,14 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 # transformers' defaults for fields a config.json may leave out, per model_type.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+_DEFAULT_MAX_POSITIONS = {
+    "llama": 2048,
+    "mistral": 4096 * 32,
+    "qwen2": 32768,
+    "qwen3": 32768,
+}  # Gemma: gemma_config
+# Qwen3's head_dim defaults to 128 whatever hidden/heads is; the others derive it.
+_DEFAULT_HEAD_DIM = {"qwen3": 128}
 _T = TypeVar("_T")
 _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
@@ -81,14 +94,32 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     rope: RopeConfig
-    attention_bias: bool  # bias on q/k/v (Qwen2 always; Llama from `attention_bias`)
-    o_proj_bias: bool  # Llama's `attention_bias` also biases o_proj; Qwen2's does not
+    attention_bias: bool  # bias on q/k/v (Qwen2 always; Llama and Qwen3 from `attention_bias`)
+    o_proj_bias: bool  # Llama's and Qwen3's `attention_bias` also biases o_proj; Qwen2's does not
     mlp_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None  # effective window for every layer; None = full attention
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: torch.dtype
+    # q/k norm: an RMSNorm over head_dim on every query and key head, after the projection and
+    # before RoPE (Qwen3's q_norm / k_norm, weights `self_attn.{q,k}_norm.weight`).
+    qk_norm: bool = False
+    # Gemma 2 / 3 (gemma_config.py); the defaults are the Llama family's behaviour.
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh": GeGLU with the tanh-approximated GELU
+    # The Gemma decoder: RMSNorm scaling by (1 + weight) in fp32, norms before and after both attention
+    # and MLP, embeddings times sqrt(hidden_size) (rounded to the model dtype).
+    gemma_layout: bool = False
+    layer_windows: tuple[int | None, ...] | None = None  # per layer (Gemma); None: sliding_window everywhere
+    local_rope: RopeConfig | None = None  # RoPE of the sliding-window layers, when not `rope` (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its **-0.5; None: head_dim**-0.5
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before softmax
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    has_vision_tower: bool = False  # a multimodal checkpoint whose text model alone is served
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: full attention)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
@@ -103,6 +134,14 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window} must be > 0 or None")
+        if self.layer_windows is not None:
+            windows = {w for w in self.layer_windows if w is not None}
+            if len(self.layer_windows) != self.num_hidden_layers or self.sliding_window is not None:
+                raise ValueError("layer_windows needs one entry per layer and sliding_window=None")
+            if len(windows) > 1 or any(w <= 0 for w in windows):
+                raise ValueError(f"layer_windows={self.layer_windows}: expected one window size > 0 and None")
+        if self.hidden_act not in ("silu", GEMMA_ACTIVATION):
+            raise ValueError(f"hidden_act={self.hidden_act!r}, expected 'silu' or {GEMMA_ACTIVATION!r}")
 
     def base_shapes(self) -> BaseModelShapes:
         return BaseModelShapes(
@@ -155,7 +194,7 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_positions: int) -> RopeConf
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{path}: rope type {rope_type!r} unsupported (its frequencies depend on the sequence length "
-            f"or are not implemented); expected one of {SUPPORTED_ROPE_TYPES}"
+            f"or are not implemented); expected one of {SUPPORTED_ROPE_TYPES}, see {MODEL_TABLE}"
         )
     original = params.pop("original_max_position_embeddings", None)
     if rope_type in ("llama3", "yarn") and original is None:
@@ -211,9 +250,7 @@ def _architecture(raw: dict[str, Any], path: Path) -> tuple[str, str]:
     archs = raw.get("architectures") or []
     arch = archs[0] if len(archs) == 1 else None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{path}: architectures={archs!r} unsupported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise ValueError(f"{path}: {architecture_refusal(archs, sorted(SUPPORTED_ARCHITECTURES))}")
     model_type = SUPPORTED_ARCHITECTURES[arch]
     if raw.get("model_type", model_type) != model_type:
         raise ValueError(f"{path}: model_type={raw['model_type']!r} does not match {arch} ({model_type!r})")
@@ -245,6 +282,9 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}; expected a Hugging Face model directory")
     raw = _read_json(path)
+    gemma = gemma_text(raw, path)
+    if gemma is not None:
+        raw = gemma.raw
     arch, model_type = _architecture(raw, path)
     hidden_size, num_heads, num_layers, vocab_size, intermediate_size = (
         _required_int(raw, key, path)
@@ -258,12 +298,16 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     )
     max_positions = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type])
     is_llama = model_type == "llama"
+    # Llama's, Qwen3's and Gemma's `attention_bias` biases q/k/v and o; Qwen2 always biases q/k/v only.
+    attention_bias = (model_type in ("llama", "qwen3") or gemma is not None) and bool(
+        raw.get("attention_bias", False)
+    )
     gen_path = Path(model_dir) / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _token_ids(gen.get("eos_token_id"), gen_path) or _token_ids(raw.get("eos_token_id"), path)
     bos = raw.get("bos_token_id", gen.get("bos_token_id"))
-    rope = _parse_rope(raw, path, max_positions)
-    sliding_window = _sliding_window(raw, model_type, path, num_layers)
+    rope = _parse_rope(raw if gemma is None else gemma.global_rope, path, max_positions)
+    sliding_window = None if gemma is not None else _sliding_window(raw, model_type, path, num_layers)
     return _checked(
         path,
         ModelConfig,
@@ -275,16 +319,33 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        head_dim=int(raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type, hidden_size // num_heads)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
         rope=rope,
-        attention_bias=model_type == "qwen2" or (is_llama and bool(raw.get("attention_bias", False))),
-        o_proj_bias=is_llama and bool(raw.get("attention_bias", False)),
+        attention_bias=model_type == "qwen2" or attention_bias,
+        o_proj_bias=attention_bias,
         mlp_bias=is_llama and bool(raw.get("mlp_bias", False)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         sliding_window=sliding_window,
         eos_token_ids=eos,
         bos_token_id=bos if isinstance(bos, int) else None,
         dtype=_dtype(raw, path),
+        qk_norm=model_type == "qwen3" or (gemma is not None and model_type != "gemma2"),
+        **({} if gemma is None else _gemma_fields(gemma, path, max_positions)),
     )
+
+
+def _gemma_fields(gemma: GemmaText, path: Path, max_positions: int) -> dict[str, Any]:
+    """ModelConfig fields of a Gemma 2 / 3 text model (gemma_config.py)."""
+    local = None if gemma.local_rope is None else _parse_rope(gemma.local_rope, path, max_positions)
+    return {
+        "hidden_act": GEMMA_ACTIVATION,
+        "gemma_layout": True,
+        "layer_windows": gemma.layer_windows,
+        "local_rope": local,
+        "query_pre_attn_scalar": gemma.query_pre_attn_scalar,
+        "attn_logit_softcapping": gemma.attn_logit_softcapping,
+        "final_logit_softcapping": gemma.final_logit_softcapping,
+        "has_vision_tower": gemma.has_vision_tower,
+    }

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Gemma 2/3 with the pieces of gemma.py) over a
+paged KV cache.
 
 Module and parameter names mirror the Hugging Face checkpoints, except that q/k/v and gate/up are
 packed into one projection each (one matmul instead of three/two); `PACKED` maps checkpoint names to
@@ -15,6 +16,7 @@ from torch import nn
 
 from base_engine.invariant import invariant_linear
 from base_engine.model.config import ModelConfig
+from base_engine.model.gemma import GemmaDecoderLayer, GemmaRMSNorm, embed_scale, softcap
 from base_engine.model.rope import apply_rope
 from base_engine.runner.attention import AttentionMetadata, attend, write_kv
 
@@ -68,10 +70,16 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping
+        self.window = config.layer_window(layer)  # None: full attention
         out = self.q_size + 2 * self.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, out, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # q/k norm (ModelConfig.qk_norm): one RMSNorm over head_dim shared by all heads (Gemma's
+        # (1 + weight) form on Gemma 3).
+        self.q_norm = _norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = _norm(config, self.head_dim) if config.qk_norm else None
 
     def forward(
         self,
@@ -86,11 +94,17 @@ class Attention(nn.Module):
         if lora is not None:
             lora.apply(self.layer, "qkv_proj", qkv, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        if self.q_norm is not None and self.k_norm is not None:  # after the LoRA deltas, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, *cos_sin)
+        k = apply_rope(k, *cos_sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        attn = attend(q, k, v, kv_cache, meta, self.scale).view(num_tokens, self.q_size)
+        # A model mixing windowed and global layers: the windowed ones read their own metadata.
+        local = meta.sliding if self.window is not None and meta.sliding is not None else meta
+        attn = attend(q, k, v, kv_cache, local, self.scale, self.softcap).view(num_tokens, self.q_size)
         out = project(self.o_proj, attn, meta.invariant)
         if lora is not None:
             lora.apply(self.layer, "o_proj", out, attn)
@@ -104,13 +118,14 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.is_gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma); else SwiGLU
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None, invariant: bool = False) -> torch.Tensor:
         gate_up = project(self.gate_up_proj, x, invariant)  # [T, 2 * intermediate]
         if lora is not None:
             lora.apply(self.layer, "gate_up_proj", gate_up, x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        hidden = F.silu(gate) * up
+        hidden = (F.gelu(gate, approximate="tanh") if self.is_gelu else F.silu(gate)) * up
         out = project(self.down_proj, hidden, invariant)
         if lora is not None:
             lora.apply(self.layer, "down_proj", out, hidden)
@@ -137,12 +152,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x), lora, meta.invariant)
 
 
+def _norm(config: ModelConfig, size: int) -> nn.Module:
+    return (
+        GemmaRMSNorm(size, config.rms_norm_eps) if config.gemma_layout else RMSNorm(size, config.rms_norm_eps)
+    )
+
+
+def _layer(config: ModelConfig, layer: int) -> nn.Module:
+    if config.gemma_layout:
+        attn, mlp = Attention(config, layer), MLP(config, layer)
+        return GemmaDecoderLayer(config.hidden_size, config.rms_norm_eps, attn, mlp)
+    return DecoderLayer(config, layer)
+
+
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = _norm(config, config.hidden_size)
 
 
 class CausalLM(nn.Module):
@@ -164,10 +192,14 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         lora: LoraBatch | None = None,
+        local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,  # windowed layers' (Gemma 3)
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        if self.config.gemma_layout:
+            x = x * embed_scale(self.config.hidden_size, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, kv_cache, meta, lora)
+            is_local = local_cos_sin is not None and layer.self_attn.window is not None
+            x = layer(x, local_cos_sin if is_local else cos_sin, kv_cache, meta, lora)
         return self.model.norm(x)
 
     @torch.inference_mode()
@@ -176,9 +208,12 @@ class CausalLM(nn.Module):
         weight = self.lm_head.weight  # [vocab, hidden]
         vocab = weight.shape[0]
         linear = invariant_linear if invariant else F.linear
+        cap = self.config.final_logit_softcapping
         if hidden.device.type != "cpu" or vocab <= LOGITS_CHUNK:
-            return linear(hidden, weight).float()
-        out = hidden.new_empty(hidden.shape[0], vocab)
-        for start in range(0, vocab, LOGITS_CHUNK):
-            out[:, start : start + LOGITS_CHUNK] = linear(hidden, weight[start : start + LOGITS_CHUNK])
-        return out.float()
+            out = linear(hidden, weight)
+        else:
+            out = hidden.new_empty(hidden.shape[0], vocab)
+            for start in range(0, vocab, LOGITS_CHUNK):
+                out[:, start : start + LOGITS_CHUNK] = linear(hidden, weight[start : start + LOGITS_CHUNK])
+        # Capped in the model dtype, as transformers does, then widened.
+        return (out if cap is None else softcap(out, cap)).float()

@@ -6,7 +6,9 @@ unexpected tensor is an error naming the tensor and file (never a silently rando
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,6 +19,13 @@ from base_engine.model.decoder import PACKED, CausalLM
 
 # Tensors some checkpoints carry that the math does not use.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+# A multimodal checkpoint's (Gemma3ForConditionalGeneration) vision tower: not served, not loaded.
+VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+# Where its text model lives: (prefix of our `model.`, name of our `lm_head.`), transformers 5's
+# layout first, then the published checkpoints' (transformers 4.50).
+_TEXT_LAYOUTS = (("model.language_model.", "lm_head."), ("language_model.model.", "language_model.lm_head."))
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_sources(param_name: str) -> list[str]:
@@ -28,8 +37,28 @@ def checkpoint_sources(param_name: str) -> list[str]:
     return [param_name]
 
 
+def _text_names(reader: CheckpointReader, config: ModelConfig, model_dir: Path) -> Callable[[str], str]:
+    """Our parameter name -> its name in the checkpoint (a multimodal one nests the text model)."""
+    if not config.has_vision_tower:
+        return lambda name: name
+    names = reader.names()
+    for body, head in _TEXT_LAYOUTS:
+        if any(n.startswith(body) for n in names):
+
+            def rename(name: str, body: str = body, head: str = head) -> str:
+                # model.layers.0... -> <body>layers.0...; lm_head.weight -> <head>weight
+                return body + name.removeprefix("model.") if name.startswith("model.") else head + name[8:]
+
+            return rename
+    raise MissingTensorError(
+        f"checkpoint {model_dir} has no text model under {[b for b, _ in _TEXT_LAYOUTS]}; "
+        f"{config.architecture} needs one"
+    )
+
+
 def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> CausalLM:
     reader = CheckpointReader(model_dir)
+    rename = _text_names(reader, config, model_dir)
     with torch.device("meta"):
         model = CausalLM(config)
     model = model.to_empty(device=device).to(dtype)
@@ -38,7 +67,7 @@ def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, devi
     used: set[str] = set()
     params = dict(model.named_parameters(remove_duplicate=True))
     for name, param in params.items():
-        sources = checkpoint_sources(name)
+        sources = [rename(src) for src in checkpoint_sources(name)]
         tensors = []
         for src in sources:
             if src not in reader:
@@ -57,8 +86,16 @@ def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, devi
         with torch.no_grad():
             param.copy_(value.to(device))
     if config.tie_word_embeddings:
-        used.add("lm_head.weight")
-    unexpected = sorted(n for n in reader.names() if n not in used and not IGNORED.search(n))
+        used.add(rename("lm_head.weight"))
+    vision = [n for n in reader.names() if config.has_vision_tower and VISION.match(n)]
+    if vision:
+        logger.info(
+            "%s: serving the text model only; %d vision-tower tensors not loaded (image inputs unsupported)",
+            model_dir, len(vision),
+        )  # fmt: skip
+    unexpected = sorted(
+        n for n in reader.names() if n not in used and not IGNORED.search(n) and n not in set(vision)
+    )
     if unexpected:
         raise ValueError(
             f"checkpoint {model_dir} has tensors this {config.architecture} does not use: {unexpected[:5]}"

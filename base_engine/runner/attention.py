@@ -11,6 +11,7 @@ the attention calls; the decode buckets are planned in `base_engine/runner/decod
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,16 @@ class AttentionMetadata:
     # A deterministic step (base_engine/invariant.py): batch-invariant GEMMs, and every token (prefill or
     # decode) attended alone in `decode_buckets` (build_token_buckets), so `prefills` is empty.
     invariant: bool = False
+    # A model mixing sliding-window and global layers (Gemma): this metadata is the global layers', and
+    # `sliding` the windowed layers' (same rows and blocks, their own window). None: every layer's.
+    sliding: AttentionMetadata | None = None
+
+
+def paged_with_window(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """`meta` (paged) for layers with sliding window `window`: the same device tensors (a CUDA graph's
+    refreshed buffers included), only the window differs."""
+    assert meta.paged is not None
+    return dataclasses.replace(meta, paged=dataclasses.replace(meta.paged, sliding_window=window))
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -58,19 +69,56 @@ def attend(
     kv_cache: torch.Tensor,  # [2, blocks, bs, KVH, D]
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) before the softmax
 ) -> torch.Tensor:  # [T, H, D]
     if meta.paged is not None:
-        return paged_attention(q, k, v, kv_cache, meta.paged, scale=scale)
+        return paged_attention(q, k, v, kv_cache, meta.paged, scale=scale, softcap=softcap)
     out = torch.empty_like(q)
     for bucket in meta.decode_buckets:
-        _decode(q, kv_cache, bucket, scale, out)
+        _decode(q, kv_cache, bucket, scale, softcap, out)
     for chunk in meta.prefills:
-        _prefill(q, k, v, kv_cache, chunk, scale, out)
+        _prefill(q, k, v, kv_cache, chunk, scale, softcap, out)
     return out
 
 
+def _sdpa(
+    q: torch.Tensor,  # [..., H, Lq, D]
+    k: torch.Tensor,  # [..., KVH, Lk, D]
+    v: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None,
+    mask: torch.Tensor | None = None,  # bool (True = may attend) or additive, broadcast to the scores
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA, or with a soft-cap the same in explicit ops (SDPA has no hook between QK and softmax), in
+    transformers' eager order: scores * scale, cap, + mask, softmax in fp32, back to q's dtype, @ V."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., H, Lq, Lk]
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        num_q, num_k = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(num_q, num_k, dtype=torch.bool, device=q.device).tril(num_k - num_q)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def _decode(
-    q: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float, out: torch.Tensor
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    bucket: DecodeBucket,
+    scale: float,
+    softcap: float | None,
+    out: torch.Tensor,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
@@ -86,7 +134,7 @@ def _decode(
     values = kv_cache[1].index_select(0, flat).view(copies, -1, num_kv_heads, head_dim).transpose(1, 2)
     if bucket.shared_keys:
         keys, values = keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1)
-    res = F.scaled_dot_product_attention(qd, keys, values, attn_mask=bucket.mask, scale=scale)
+    res = _sdpa(qd, keys, values, mask=bucket.mask, scale=scale, softcap=softcap)
     res = res.reshape(n, num_heads, head_dim)  # [n, H, D]
     if run is None:
         out.index_copy_(0, bucket.rows, res)
@@ -101,6 +149,7 @@ def _prefill(
     kv_cache: torch.Tensor,
     chunk: PrefillChunk,
     scale: float,
+    softcap: float | None,
     out: torch.Tensor,
 ) -> None:
     rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -114,10 +163,8 @@ def _prefill(
         vc = kv_cache[1][chunk.block_table].flatten(0, 1)[:num_kv]
     kc = kc.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
     vc = vc.transpose(0, 1).unsqueeze(0)
-    if chunk.mask is None:
-        res = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        res = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+    causal = chunk.mask is None
+    res = _sdpa(qc, kc, vc, mask=chunk.mask, is_causal=causal, scale=scale, softcap=softcap, enable_gqa=True)
     out[rows] = res.squeeze(0).transpose(0, 1)
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from base_engine.runner.attention import AttentionMetadata
+from base_engine.runner.attention import AttentionMetadata, paged_with_window
 from base_engine.runner.step import StepBatch, StepResult
 from base_engine.scheduler import SchedulerOutput
 from kernels.attention import PagedAttentionMeta, build_paged_meta
@@ -103,6 +103,8 @@ class DecodeGraphs:
             slot_mapping=torch.zeros(size, dtype=torch.long, device=dev), decode_buckets=[], prefills=[],
             paged=paged,
         )  # fmt: skip
+        if self.runner.local_window is not None:
+            meta.sliding = paged_with_window(meta, self.runner.local_window)
         batch = StepBatch(
             order=[], input_ids=torch.zeros(size, dtype=torch.long, device=dev),
             positions=torch.zeros(size, dtype=torch.long, device=dev), max_position=self.max_model_len - 1,

@@ -13,7 +13,7 @@ import torch
 from base_engine.model.config import ModelConfig
 from base_engine.model.decoder import CausalLM, LoraBatch
 from base_engine.model.rope import RopeCache
-from base_engine.runner.attention import AttentionMetadata, PrefillChunk, chunk_mask
+from base_engine.runner.attention import AttentionMetadata, PrefillChunk, chunk_mask, paged_with_window
 from base_engine.runner.decode_buckets import DecodeBucket, build_decode_buckets, build_token_buckets
 from base_engine.runner.step import StepBatch, StepResult
 from base_engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -42,11 +42,20 @@ class ModelRunner:
         self.null_block = kv_caches[0].shape[1] - 2 if kv_caches else 0
         self.scratch_block = self.null_block + 1
         self.device = device
-        self.sliding_window = config.sliding_window
+        # The window of the step's main metadata, and `local_window` for a model that mixes windowed
+        # and global layers (Gemma): those read AttentionMetadata.sliding, built with it.
+        windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
+        self.local_window = max(windows - {None}) if len(windows) > 1 else None
+        self.sliding_window = None if self.local_window is not None else windows.pop()
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
         self.rope = RopeCache(config.rope, config.head_dim, dtype=dtype, device=device)
         self.rope(torch.tensor([max_model_len - 1], device=device), max_model_len - 1)  # whole table, once
+        # Gemma 3: the windowed layers rotate with their own base frequency.
+        self.local_rope = None
+        if config.local_rope is not None:
+            self.local_rope = RopeCache(config.local_rope, config.head_dim, dtype=dtype, device=device)
+            self.local_rope(torch.tensor([max_model_len - 1], device=device), max_model_len - 1)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor of step metadata on the engine's device (CUDA: pinned, asynchronous copy)."""
@@ -74,6 +83,7 @@ class ModelRunner:
         sampled_seq: list[int] = []
         row_starts: list[int] = []
         chunks: list[PrefillChunk] = []
+        local_chunks: list[PrefillChunk] = []  # the same chunks under local_window's masks
         bs = self.block_size
         decode_rows: list[int] = []
         for index, item in enumerate(order):
@@ -100,13 +110,15 @@ class ModelRunner:
                 mask = chunk_mask(start, n, self.sliding_window)
                 mask = None if mask is None else self.to_device(mask)
                 chunks.append(PrefillChunk(row, n, start, block_table, mask))
-        if invariant:
-            meta = self._token_meta(order, row_starts)
-        elif self.use_paged:
-            meta = self._paged_meta(order, decodes, decode_rows, row_starts)
-        else:
-            meta = self._decode_meta(decodes, decode_rows)
-            meta.prefills = chunks
+                if self.local_window is not None:
+                    local_mask = self.to_device(chunk_mask(start, n, self.local_window))
+                    local_chunks.append(PrefillChunk(row, n, start, block_table, local_mask))
+        meta = self._meta(order, decodes, decode_rows, row_starts, chunks, self.sliding_window, invariant)
+        if self.local_window is not None and meta.paged is not None:
+            meta.sliding = paged_with_window(meta, self.local_window)  # the same device tensors
+        elif self.local_window is not None:
+            args = (order, decodes, decode_rows, row_starts, local_chunks, self.local_window, invariant)
+            meta.sliding = self._meta(*args)
         meta.slot_mapping = self.to_device(torch.tensor(slots, dtype=torch.long, device="cpu"))
 
         def host(values: list[int]) -> torch.Tensor:
@@ -125,14 +137,35 @@ class ModelRunner:
             sampled_seq=host(sampled_seq),
         )
 
-    def _decode_meta(self, decodes: list[ScheduledSeq], rows: list[int]) -> AttentionMetadata:
+    def _meta(
+        self,
+        order: list[ScheduledSeq],
+        decodes: list[ScheduledSeq],
+        decode_rows: list[int],
+        row_starts: list[int],
+        chunks: list[PrefillChunk],
+        window: int | None,
+        invariant: bool,
+    ) -> AttentionMetadata:
+        """The step's attention metadata for layers with sliding window `window` (None: full)."""
+        if invariant:
+            return self._token_meta(order, row_starts, window)
+        if self.use_paged:
+            return self._paged_meta(order, decodes, decode_rows, row_starts, window)
+        meta = self._decode_meta(decodes, decode_rows, window)
+        meta.prefills = chunks
+        return meta
+
+    def _decode_meta(
+        self, decodes: list[ScheduledSeq], rows: list[int], window: int | None
+    ) -> AttentionMetadata:
         # Bucketed here, once per step, so every layer reuses the same block tables and masks.
         buckets = build_decode_buckets(
             rows,
             [d.seq.block_table for d in decodes],
             [d.start + 1 for d in decodes],  # the new token's K/V is written before attention reads
             block_size=self.block_size,
-            sliding_window=self.sliding_window,
+            sliding_window=window,
             dtype=self.dtype,
             null_block=self.null_block,
         )
@@ -147,7 +180,9 @@ class ModelRunner:
             bucket.block_tables = self.to_device(bucket.block_tables)
             bucket.mask = None if bucket.mask is None else self.to_device(bucket.mask)
 
-    def _token_meta(self, order: list[ScheduledSeq], starts: list[int]) -> AttentionMetadata:
+    def _token_meta(
+        self, order: list[ScheduledSeq], starts: list[int], window: int | None
+    ) -> AttentionMetadata:
         rows, tables, seq_lens, seq_ids = [], [], [], []
         for index, (item, row) in enumerate(zip(order, starts, strict=True)):
             for i in range(item.num_new_tokens):
@@ -156,7 +191,7 @@ class ModelRunner:
                 seq_lens.append(item.start + i + 1)  # the token's own K/V is written before attention
                 seq_ids.append(index)
         buckets = build_token_buckets(
-            rows, tables, seq_lens, seq_ids, block_size=self.block_size, sliding_window=self.sliding_window,
+            rows, tables, seq_lens, seq_ids, block_size=self.block_size, sliding_window=window,
             dtype=self.dtype,
         )  # fmt: skip
         self._buckets_to_device(buckets)
@@ -169,6 +204,7 @@ class ModelRunner:
         decodes: list[ScheduledSeq],
         decode_rows: list[int],
         starts: list[int],
+        window: int | None,
     ) -> AttentionMetadata:
         chunks = [(item, row) for item, row in zip(order, starts, strict=True) if not _is_decode(item)]
         paged = build_paged_meta(
@@ -181,7 +217,7 @@ class ModelRunner:
             prefill_query_lens=[item.num_new_tokens for item, _ in chunks],
             prefill_seq_lens=[item.start + item.num_new_tokens for item, _ in chunks],
             prefill_tables=[item.seq.block_table for item, _ in chunks],
-            sliding_window=self.sliding_window,
+            sliding_window=window,
             pad_block=self.null_block,
         )
         return AttentionMetadata(
@@ -204,7 +240,8 @@ class ModelRunner:
         """Runs the model: logits for batch.sampled and which requests stayed finite. No host sync.
         This is also what a decode CUDA graph captures (over its static batch)."""
         cos_sin = self.rope(batch.positions, batch.max_position)
-        hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora)
+        local = None if self.local_rope is None else self.local_rope(batch.positions, batch.max_position)
+        hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora, local)
         logits = self.model.logits(hidden.index_select(0, batch.sample_rows), batch.meta.invariant)
         # A row's own K/V feed its own attention, so a NaN/Inf written to the cache at any layer shows
         # in that row's final hidden state; logits can still overflow on their own. A row sum is NaN/Inf

@@ -1,10 +1,11 @@
 """Tiny random-weight Hugging Face checkpoints and a locally trained tokenizer, for tests and demos.
 
 The checkpoint is what `transformers` `save_pretrained(safe_serialization=True)` writes for
-LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM (config.json, model.safetensors,
-generation_config.json), plus a byte-level BPE tokenizer (GPT-2 / Llama-3 style byte-level
-pre-tokenizer) with Llama-3's special tokens and chat template format, so the engine loads it exactly
-as it would load a published checkpoint. Nothing is downloaded.
+LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Gemma2ForCausalLM /
+Gemma3ForCausalLM, and Gemma3ForConditionalGeneration with a tiny SigLIP vision tower ("gemma3-vision")
+(config.json, model.safetensors, generation_config.json), plus a byte-level BPE tokenizer (GPT-2 /
+Llama-3 style byte-level pre-tokenizer) with Llama-3's special tokens and chat template format, so the
+engine loads it exactly as it would load a published checkpoint. Nothing is downloaded.
 
 The tokenizer is built by tiny_tokenizer.py and its chat formats come from tiny_chat_formats.py.
 """
@@ -17,6 +18,12 @@ from typing import Any
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3Config,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -26,6 +33,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from base_engine.testing.chat_formats import END_OF_TEXT_TOKEN
@@ -35,6 +44,21 @@ _ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "gemma3-vision": (Gemma3Config, Gemma3ForConditionalGeneration),
+}
+# The smallest SigLIP tower Gemma3ForConditionalGeneration builds: 28 px images of 2 x 2 patches,
+# pooled to mm_tokens_per_image = 4.
+_TINY_VISION = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
 }
 
 
@@ -64,6 +88,12 @@ def _build_config(arch: str, overrides: dict[str, Any]) -> PreTrainedConfig:
     if arch == "mistral":
         # Mistral defaults to a 4096 window; none means full attention, which every engine can serve.
         overrides.setdefault("sliding_window", None)
+    if arch == "gemma3-vision":
+        top = {
+            k: overrides[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in overrides
+        }
+        text = Gemma3TextConfig(**overrides)
+        return config_cls(text_config=text, vision_config=_TINY_VISION, mm_tokens_per_image=4, **top)
     return config_cls(**overrides)
 
 

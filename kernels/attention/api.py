@@ -55,6 +55,7 @@ def paged_decode_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     rows: Tensor | None = None,
     out: Tensor | None = None,
     num_splits: int | None = None,
@@ -65,7 +66,8 @@ def paged_decode_attention(
 
     Semantics:
         paged_decode_attention(q, kv_cache, block_tables, seq_lens, *, scale, sliding_window=None,
-                               rows=None, out=None, num_splits=None, max_seq_len=None, backend="auto") -> out
+                               softcap=None, rows=None, out=None, num_splits=None, max_seq_len=None,
+                               backend="auto") -> out
           kv_cache:     [2, num_blocks, bs, KVH, D]   K = kv_cache[0], V = kv_cache[1] (one layer)
           block_tables: [B, max_blocks] int32/int64   block j of sequence b is block_tables[b, j]
           seq_lens:     [B] int                       tokens of sequence b in the cache, the new one included
@@ -74,7 +76,8 @@ def paged_decode_attention(
           H = G * KVH (GQA); head h reads KV head h // G.
           for b with n = seq_lens[b], lo = max(0, n - sliding_window) (0 without a window), r = rows[b]:
               key position j in [lo, n) lives at slot (block_tables[b, j // bs], j % bs)
-              out[r, h] = softmax_j(scale * q[r, h] . K[j, h // G]) @ V[j, h // G]   (fp32 accumulation)
+              out[r, h] = softmax_j(cap(scale * q[r, h] . K[j, h // G])) @ V[j, h // G]   (fp32 accumulation)
+              cap(s) = softcap * tanh(s / softcap) (Gemma 2's attention soft-cap), cap(s) = s without one
           a row with n == 0 reads nothing and gets zeros (e.g. CUDA-graph padding rows);
           out rows not in `rows` are left untouched.
           Nothing outside those keys is read: other slots, unused block-table entries (beyond
@@ -96,7 +99,7 @@ def paged_decode_attention(
     check_same({"block_tables": block_tables, "seq_lens": seq_lens}, q, "q", dtype=False)
     if rows is not None:
         check_same({"rows": rows}, q, "q", dtype=False)
-    check_scalars(scale, sliding_window)
+    check_scalars(scale, sliding_window, softcap)
     check_out(out, q, q.shape[0])
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r}, expected None or an int >= 1")
@@ -104,8 +107,9 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if resolve_backend(backend, q) == "torch":
         torch_ops.decode_torch(
-            q, kv_cache, block_tables, seq_lens, out, scale=scale, sliding_window=sliding_window, rows=rows
-        )
+            q, kv_cache, block_tables, seq_lens, out, scale=scale, sliding_window=sliding_window,
+            softcap=softcap, rows=rows,
+        )  # fmt: skip
         return out
     from kernels.attention import triton_ops  # imported on first use: TRITON_INTERPRET is read at import
 
@@ -113,7 +117,7 @@ def paged_decode_attention(
         num_splits = triton_ops.default_num_splits(num_seqs, cache.num_kv_heads, q.device, max_seq_len)
     triton_ops.decode(
         q, kv_cache, block_tables, seq_lens, out,
-        scale=scale, sliding_window=sliding_window, rows=rows, num_splits=num_splits,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, rows=rows, num_splits=num_splits,
     )  # fmt: skip
     return out
 
@@ -130,6 +134,7 @@ def paged_prefill_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     max_query_len: int | None = None,
     out: Tensor | None = None,
     backend: Backend = "auto",
@@ -139,7 +144,7 @@ def paged_prefill_attention(
 
     Semantics:
         paged_prefill_attention(q, k, v, kv_cache, block_tables, query_starts, query_lens, seq_lens,
-            *, scale, sliding_window=None, max_query_len=None, out=None, backend="auto") -> out
+            *, scale, sliding_window=None, softcap=None, max_query_len=None, out=None, backend="auto") -> out
           q: [T, H, D]; k, v: [T, KVH, D] (this step's keys/values); out: like q (default: new)
           kv_cache: [2, num_blocks, bs, KVH, D]; block_tables: [N, max_blocks] int
           chunk n: rows [s, s + m) of q/k/v/out with s = query_starts[n], m = query_lens[n];
@@ -148,7 +153,8 @@ def paged_prefill_attention(
               j <= p  and  p - j < sliding_window (no bound without a window)
           key j < c:  K/V at slot (block_tables[n, j // bs], j % bs) of kv_cache
           key j >= c: k/v row s + (j - c)
-          out[s + i, h] = softmax_j(scale * q[s + i, h] . K[j, h // G]) @ V[j, h // G]  (fp32 accumulation)
+          out[s + i, h] = softmax_j(cap(scale * q[s + i, h] . K[j, h // G])) @ V[j, h // G]
+          (fp32 accumulation; cap as in paged_decode_attention)
           rows of q/out outside every chunk are left untouched; a chunk with m == 0 does nothing.
           Read: only cached keys some query of the chunk sees (j in [max(0, c - W + 1), c)); the
           cache's slots at positions >= c, unused block-table entries and everything else may hold
@@ -169,7 +175,7 @@ def paged_prefill_attention(
     check_same({"k": k, "v": v, "kv_cache": kv_cache}, q, "q", dtype=True)
     index = {"block_tables": block_tables, "query_starts": query_starts, "query_lens": query_lens}
     check_same(index | {"seq_lens": seq_lens}, q, "q", dtype=False)
-    check_scalars(scale, sliding_window)
+    check_scalars(scale, sliding_window, softcap)
     check_out(out, q, q.shape[0])
     if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 0):
         raise ValueError(f"max_query_len={max_query_len!r}, expected None or an int >= 0")
@@ -178,7 +184,7 @@ def paged_prefill_attention(
     if resolve_backend(backend, q) == "torch":
         torch_ops.prefill_torch(
             q, k, v, kv_cache, block_tables, query_starts, query_lens, seq_lens, out,
-            scale=scale, sliding_window=sliding_window,
+            scale=scale, sliding_window=sliding_window, softcap=softcap,
         )  # fmt: skip
         return out
     from kernels.attention import triton_ops
@@ -187,7 +193,7 @@ def paged_prefill_attention(
         max_query_len = int(query_lens.max().item()) if num_chunks else 0
     triton_ops.prefill(
         q, k, v, kv_cache, block_tables, query_starts, query_lens, seq_lens, out,
-        scale=scale, sliding_window=sliding_window, max_query_len=max_query_len,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, max_query_len=max_query_len,
     )  # fmt: skip
     return out
 
@@ -200,17 +206,18 @@ def paged_attention(
     meta: PagedAttentionMeta,
     *,
     scale: float,
+    softcap: float | None = None,
     out: Tensor | None = None,
     backend: Backend = "auto",
 ) -> Tensor:
     """One layer's attention for a whole step: the decodes, then the prefill chunks, into one out.
 
     Semantics:
-        paged_attention(q, k, v, kv_cache, meta, *, scale, out=None, backend="auto") -> out
+        paged_attention(q, k, v, kv_cache, meta, *, scale, softcap=None, out=None, backend="auto") -> out
           q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written to kv_cache for decodes);
           meta from build_paged_meta (once per step, every layer); out: like q (default: new)
           = paged_decode_attention over meta's decodes (rows meta.decode_rows, or 0..B-1)
-            then paged_prefill_attention over meta's chunks, both with meta.sliding_window;
+            then paged_prefill_attention over meta's chunks, both with meta.sliding_window and softcap;
           rows in neither are left untouched. Reads no device value on the host.
     """
     if not isinstance(meta, PagedAttentionMeta):
@@ -220,13 +227,14 @@ def paged_attention(
     if meta.num_decodes:
         paged_decode_attention(
             q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale=scale,
-            sliding_window=meta.sliding_window, rows=meta.decode_rows, out=out, num_splits=meta.num_splits,
+            sliding_window=meta.sliding_window, softcap=softcap, rows=meta.decode_rows, out=out,
+            num_splits=meta.num_splits,
             max_seq_len=meta.max_decode_len, backend=backend,
         )  # fmt: skip
     if meta.num_prefills:
         paged_prefill_attention(
             q, k, v, kv_cache, meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_query_lens,
-            meta.prefill_seq_lens, scale=scale, sliding_window=meta.sliding_window,
+            meta.prefill_seq_lens, scale=scale, sliding_window=meta.sliding_window, softcap=softcap,
             max_query_len=meta.max_query_len, out=out, backend=backend,
         )  # fmt: skip
     return out

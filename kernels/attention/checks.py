@@ -98,7 +98,13 @@ def check_same(tensors: dict[str, Tensor], like: Tensor, like_name: str, *, dtyp
             raise ValueError(f"{name} has dtype {t.dtype}, expected {like.dtype} like {like_name}")
 
 
-def check_scalars(scale: object, sliding_window: object) -> None:
+def _is_positive(value: object) -> bool:
+    return (
+        not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    )
+
+
+def check_scalars(scale: object, sliding_window: object, softcap: object = None) -> None:
     if (
         isinstance(scale, bool)
         or not isinstance(scale, (int, float))
@@ -110,6 +116,8 @@ def check_scalars(scale: object, sliding_window: object) -> None:
         isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
     ):
         raise ValueError(f"sliding_window={sliding_window!r}, expected None or an int >= 1")
+    if softcap is not None and not _is_positive(softcap):
+        raise ValueError(f"softcap={softcap!r}, expected None or a finite float > 0")
 
 
 def check_out(out: Tensor | None, like: Tensor, rows: int | None) -> None:

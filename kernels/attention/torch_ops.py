@@ -18,6 +18,11 @@ def _gather(cache: Tensor, table: Tensor, pos: Tensor, block_size: int) -> Tenso
     return cache[blocks, pos % block_size].float()
 
 
+def _cap(scores: Tensor, softcap: float | None) -> Tensor:
+    """softcap * tanh(scores / softcap), or the scores themselves without a cap."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def decode_torch(
     q: Tensor,
     kv_cache: Tensor,
@@ -27,6 +32,7 @@ def decode_torch(
     *,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
     rows: Tensor | None,
 ) -> None:
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
@@ -43,7 +49,7 @@ def decode_torch(
         keys = _gather(kv_cache[0], block_tables[b], pos, block_size)  # [L, KVH, D]
         values = _gather(kv_cache[1], block_tables[b], pos, block_size)
         qf = q[row].float().view(num_kv_heads, num_heads // num_kv_heads, head_dim)
-        probs = torch.softmax(torch.einsum("hgd,lhd->hgl", qf, keys) * scale, dim=-1)
+        probs = torch.softmax(_cap(torch.einsum("hgd,lhd->hgl", qf, keys) * scale, softcap), dim=-1)
         out[row] = torch.einsum("hgl,lhd->hgd", probs, values).reshape(num_heads, head_dim).to(out.dtype)
 
 
@@ -60,6 +66,7 @@ def prefill_torch(
     *,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> None:
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     block_size = kv_cache.shape[2]
@@ -81,7 +88,7 @@ def prefill_torch(
         if sliding_window is not None:
             allowed &= (q_pos - k_pos) < sliding_window
         qf = q[rows].float().view(q_len, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qhgd,lhd->hgql", qf, keys) * scale
+        scores = _cap(torch.einsum("qhgd,lhd->hgql", qf, keys) * scale, softcap)
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         res = torch.einsum("hgql,lhd->qhgd", probs, values)
         out[rows] = res.reshape(q_len, q.shape[1], head_dim).to(out.dtype)

@@ -14,6 +14,9 @@ split-KV; vLLM's Triton unified attention for the per-key block lookup):
     (beyond seq_len, before a sliding window, unused block-table entries, padded rows) is masked at the
     load (`other=0`): its block-table entry is not even read, so stale bits (NaN/Inf) never reach an
     output. Masked scores are -inf and their P is exactly 0 against V loaded as 0;
+  * soft-capping (Gemma 2): scores become cap * tanh(s / cap) before the softmax, tanh built from
+    exp2 (which the interpreter and every GPU backend have); qk_scale is then scale / cap and
+    cap_log2 = cap * log2(e);
   * the running max starts at a finite -1e30, so a row (or split) that sees no key keeps l = 0 and
     writes zeros instead of NaN (rows with seq_len 0, e.g. CUDA-graph padding rows).
 Decode with NUM_SPLITS > 1 writes per-split (o, log2-sum-exp) to fp32 buffers and a second kernel merges
@@ -37,6 +40,18 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _scores(qk, qk_scale, cap_log2, HAS_SOFTCAP: tl.constexpr):
+    """Raw dots -> base-2 scores: qk * scale * log2(e), or capped: cap * log2(e) * tanh(qk * scale / cap)."""
+    s = qk * qk_scale
+    if HAS_SOFTCAP:
+        # tanh|x| = (1 - e^(-2|x|)) / (1 + e^(-2|x|)): no overflow for any x; -2 * log2(e) below
+        t = tl.exp2(tl.abs(s) * -2.8853900817779268)
+        th = (1.0 - t) / (1.0 + t)
+        s = tl.where(s < 0, -th, th) * cap_log2
+    return s
 
 
 @triton.jit
@@ -78,10 +93,11 @@ def _decode_kernel(
     seq_lens_ptr, rows_ptr,
     out_ptr, stride_ot, stride_oh, stride_od,
     part_o_ptr, part_lse_ptr, stride_pb, stride_ph, stride_ps,
-    qk_scale, window,
+    qk_scale, cap_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -121,7 +137,9 @@ def _decode_kernel(
             k_cache_ptr, bt_row, pos, valid, kvh, offs_d, d_mask,
             stride_btn, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
         )  # fmt: skip
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = _scores(
+            _dot(q, tl.trans(k), PRECISION, UPCAST), qk_scale, cap_log2, HAS_SOFTCAP
+        )  # [BLOCK_G, BLOCK_N]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, valid[None, :], v, PRECISION, UPCAST)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -173,10 +191,10 @@ def _prefill_kernel(
     bt_ptr, stride_btb, stride_btn,
     query_starts_ptr, query_lens_ptr, seq_lens_ptr,
     out_ptr, stride_ot, stride_oh, stride_od,
-    qk_scale, window,
+    qk_scale, cap_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     q_tile = tl.program_id(0)
     n = tl.program_id(1)
@@ -225,7 +243,9 @@ def _prefill_kernel(
             k_cache_ptr, bt_row, pos, valid, kvh, offs_d, d_mask,
             stride_btn, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE,
         )  # fmt: skip
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = _scores(
+            _dot(q, tl.trans(k), PRECISION, UPCAST), qk_scale, cap_log2, HAS_SOFTCAP
+        )  # [BLOCK_M, BLOCK_N]
         allowed = row_valid[:, None] & valid[None, :]
         if HAS_WINDOW:
             allowed = allowed & (q_pos[:, None] - pos[None, :] < window)
@@ -239,7 +259,7 @@ def _prefill_kernel(
         kv_off = (q_start + (pos - ctx))[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :] * stride_kd
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
+        s = _scores(_dot(q, tl.trans(k), PRECISION, UPCAST), qk_scale, cap_log2, HAS_SOFTCAP)
         allowed = row_valid[:, None] & valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (q_pos[:, None] - pos[None, :] < window)

@@ -30,6 +30,13 @@ def _upcast(t: Tensor) -> bool:
     return not t.is_cuda and t.dtype != torch.float32
 
 
+def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, cap_log2) for the kernels' _scores: base-2 scores, capped when softcap is set."""
+    if softcap is None:
+        return scale * LOG2E, 0.0
+    return scale / softcap, softcap * LOG2E
+
+
 def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, triton.next_power_of_2(max(n, 1)))
 
@@ -59,6 +66,7 @@ def decode(
     *,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
     rows: Tensor | None,
     num_splits: int,
     block_n: int | None = None,
@@ -77,7 +85,8 @@ def decode(
     common = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_pow2_at_least(group, 16),
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits, HAS_ROWS=rows is not None,
-        HAS_WINDOW=sliding_window is not None, PRECISION=_precision(q.dtype), UPCAST=_upcast(q),
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, PRECISION=_precision(q.dtype),
+        UPCAST=_upcast(q),
     )  # fmt: skip
     rows_arg = rows if rows is not None else seq_lens  # never read without HAS_ROWS
     if num_splits == 1:
@@ -90,7 +99,7 @@ def decode(
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, *q.stride(), k_cache, v_cache, *k_cache.stride(), block_tables, *block_tables.stride(),
         seq_lens, rows_arg, out, *out.stride(), part_o, part_lse, *part_strides,
-        scale * LOG2E, sliding_window or 0, **common,
+        *_score_scales(scale, softcap), sliding_window or 0, **common,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_rows, num_heads)](
@@ -113,6 +122,7 @@ def prefill(
     *,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
     max_query_len: int,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -137,8 +147,9 @@ def prefill(
     _prefill_kernel[grid](
         q, *q.stride(), k, v, *k.stride(), k_cache, v_cache, *k_cache.stride(),
         block_tables, *block_tables.stride(), query_starts, query_lens, seq_lens, out, *out.stride(),
-        scale * LOG2E, sliding_window or 0,
+        *_score_scales(scale, softcap), sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, BLOCK_D=_pow2_at_least(head_dim, 16), HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
         PRECISION=_precision(q.dtype), UPCAST=_upcast(q), num_warps=8 if block_m >= 128 else 4,
     )  # fmt: skip

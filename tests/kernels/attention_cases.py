@@ -124,6 +124,7 @@ class DecodeCase:
     rows: Tensor | None  # [B]
     window: int | None
     dtype: torch.dtype
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     scale: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +140,7 @@ def decode_case(
     head_dim: int = 64,
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
+    softcap: float | None = None,
     with_rows: bool = False,
     seed: int = 0,
     device: str = "cpu",
@@ -155,7 +157,7 @@ def decode_case(
         rows = torch.tensor(rng.sample(range(num_rows), num), dtype=torch.long, device=device)
     q = queries(num_rows, num_kv_heads * group, head_dim, dtype, gen).to(device)
     lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
-    return DecodeCase(q, pool, lens, rows, window, dtype)
+    return DecodeCase(q, pool, lens, rows, window, dtype, softcap)
 
 
 @dataclass
@@ -169,6 +171,7 @@ class PrefillCase:
     seq_lens: Tensor
     window: int | None
     dtype: torch.dtype
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     scale: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -192,6 +195,7 @@ def prefill_case(
     head_dim: int = 64,
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
+    softcap: float | None = None,
     seed: int = 0,
     device: str = "cpu",
 ) -> PrefillCase:
@@ -213,5 +217,5 @@ def prefill_case(
     as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     return PrefillCase(
         q.to(device), k.to(device), v.to(device), pool, as_index(starts), as_index([m for _, m in chunks]),
-        as_index([c + m for c, m in chunks]), window, dtype,
+        as_index([c + m for c, m in chunks]), window, dtype, softcap,
     )  # fmt: skip

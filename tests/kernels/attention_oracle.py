@@ -28,15 +28,19 @@ def one_thread() -> Iterator[None]:
         yield
 
 
-def _attend64(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+def _attend64(q: Tensor, keys: Tensor, values: Tensor, scale: float, softcap: float | None) -> Tensor:
     """One query token, float64: q [H, D], keys/values [L, KVH, D] -> [H, D]; zeros when L == 0.
-    Head h reads KV head h // G. Elementwise products and sums (small float64 matmuls crawl on CPU)."""
+    Head h reads KV head h // G; scores soft-capped (cap * tanh(s / cap)) when softcap is set.
+    Elementwise products and sums (small float64 matmuls crawl on CPU)."""
     num_heads, num_kv_heads = q.shape[0], keys.shape[1]
     if keys.shape[0] == 0:
         return torch.zeros_like(q)
     kv_of_head = torch.arange(num_heads, device=q.device) // (num_heads // num_kv_heads)
     keys, values = keys[:, kv_of_head].transpose(0, 1), values[:, kv_of_head].transpose(0, 1)  # [H, L, D]
-    probs = torch.softmax((keys * q[:, None, :]).sum(-1) * scale, dim=-1)  # [H, L]
+    scores = (keys * q[:, None, :]).sum(-1) * scale  # [H, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores, dim=-1)
     return (probs[..., None] * values).sum(1)
 
 
@@ -51,7 +55,8 @@ def decode_oracle(case: DecodeCase) -> Tensor:
         lo = 0 if case.window is None else max(0, n - case.window)
         pos = torch.arange(lo, n, device=device)
         blocks, offsets = tables[b, pos // bs], pos % bs
-        out[b] = _attend64(q[rows[b]], cache[0, blocks, offsets], cache[1, blocks, offsets], case.scale)
+        keys, values = cache[0, blocks, offsets], cache[1, blocks, offsets]
+        out[b] = _attend64(q[rows[b]], keys, values, case.scale, case.softcap)
     return out
 
 
@@ -73,7 +78,7 @@ def prefill_oracle(case: PrefillCase) -> Tensor:
             blocks, offsets = tables[n, cached // bs], cached % bs
             keys = torch.cat([cache[0, blocks, offsets], k[own]])  # [L, KVH, D]
             values = torch.cat([cache[1, blocks, offsets], v[own]])
-            out[start + i] = _attend64(q[start + i], keys, values, case.scale)
+            out[start + i] = _attend64(q[start + i], keys, values, case.scale, case.softcap)
     return out
 
 
@@ -98,7 +103,7 @@ def run_decode(case: DecodeCase, backend: str, *, poisoned: bool, **kwargs) -> T
     cache, tables = (pool.poisoned, pool.block_tables) if poisoned else (pool.clean, pool.clean_tables)
     out = paged_decode_attention(
         case.q, cache, tables, case.seq_lens, scale=case.scale, sliding_window=case.window,
-        rows=case.rows, backend=backend, **kwargs,
+        softcap=case.softcap, rows=case.rows, backend=backend, **kwargs,
     )  # fmt: skip
     return out if case.rows is None else out[case.rows]
 
@@ -112,7 +117,8 @@ def run_prefill(case: PrefillCase, backend: str, *, poisoned: bool, **kwargs) ->
     out = torch.full_like(case.q, float("nan"))
     paged_prefill_attention(
         case.q, case.k, case.v, cache, tables, case.query_starts, case.query_lens, case.seq_lens,
-        scale=case.scale, sliding_window=case.window, out=out, backend=backend, **kwargs,
+        scale=case.scale, sliding_window=case.window, softcap=case.softcap, out=out, backend=backend,
+        **kwargs,
     )  # fmt: skip
     return out
 

@@ -18,18 +18,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# (kernel, dtype, group, head_dim, block_size, block table dtype, num_splits / block_m, window)
+# (kernel, dtype, group, head_dim, block_size, block table dtype, num_splits / block_m, window, softcap)
 VARIANTS = (
-    ("decode", "bf16", 4, 128, 16, "i32", 1, False),  # Llama-3-8B
-    ("decode", "fp16", 1, 64, 32, "i64", 4, True),  # MHA, split-KV, sliding window
-    ("decode", "fp32", 7, 128, 16, "i64", 2, False),  # Qwen2-7B group of 7, IEEE fp32 dots
-    ("merge", "bf16", 4, 128, 16, "i32", 8, False),
-    ("prefill", "bf16", 4, 128, 16, "i32", 128, False),
-    ("prefill", "fp16", 7, 96, 32, "i64", 64, True),  # head_dim padded to 128
+    ("decode", "bf16", 4, 128, 16, "i32", 1, False, False),  # Llama-3-8B
+    ("decode", "fp16", 1, 64, 32, "i64", 4, True, False),  # MHA, split-KV, sliding window
+    ("decode", "fp32", 7, 128, 16, "i64", 2, False, False),  # Qwen2-7B group of 7, IEEE fp32 dots
+    ("decode", "bf16", 2, 256, 16, "i32", 2, True, True),  # Gemma 2: head_dim 256, soft-cap, window
+    ("merge", "bf16", 4, 128, 16, "i32", 8, False, False),
+    ("prefill", "bf16", 4, 128, 16, "i32", 128, False, False),
+    ("prefill", "fp16", 7, 96, 32, "i64", 64, True, False),  # head_dim padded to 128
+    ("prefill", "bf16", 2, 256, 16, "i32", 128, True, True),  # Gemma 2
 )
 
 
-def compile_variant(kernel, dtype, group, head_dim, block_size, bt, tile, window, arch: int) -> str:
+def compile_variant(kernel, dtype, group, head_dim, block_size, bt, tile, window, softcap, arch: int) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,11 +45,11 @@ def compile_variant(kernel, dtype, group, head_dim, block_size, bt, tile, window
         fn = triton_ops._decode_kernel
         ptrs = {p: f"*{dtype}" for p in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
         ptrs |= {"bt_ptr": f"*{bt}", "seq_lens_ptr": "*i32", "rows_ptr": "*i64"}
-        ptrs |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+        ptrs |= {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32", "cap_log2": "fp32"}
         consts = dict(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64, BLOCK_D=block_d, NUM_SPLITS=tile,
-            HAS_ROWS=True, HAS_WINDOW=window,
+            HAS_ROWS=True, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
         )  # fmt: skip
     elif kernel == "merge":
         fn = triton_ops._merge_splits_kernel
@@ -56,11 +58,11 @@ def compile_variant(kernel, dtype, group, head_dim, block_size, bt, tile, window
     else:
         fn = triton_ops._prefill_kernel
         ptrs = {p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
-        ptrs |= {"bt_ptr": f"*{bt}", "qk_scale": "fp32"}
+        ptrs |= {"bt_ptr": f"*{bt}", "qk_scale": "fp32", "cap_log2": "fp32"}
         ptrs |= {p: "*i32" for p in ("query_starts_ptr", "query_lens_ptr", "seq_lens_ptr")}
         consts = dict(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=tile, BLOCK_Q=tile // group,
-            BLOCK_N=64, BLOCK_D=block_d, HAS_WINDOW=window,
+            BLOCK_N=64, BLOCK_D=block_d, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
         )  # fmt: skip
     if kernel != "merge":
         consts |= {"PRECISION": precision, "UPCAST": False}
@@ -72,7 +74,7 @@ def compile_variant(kernel, dtype, group, head_dim, block_size, bt, tile, window
     assert compiled.asm.get("cubin"), "no cubin"
     # a launch asking for more shared memory than an H100/H200 block may have fails "out of resources"
     assert compiled.metadata.shared <= 227 * 1024, f"{compiled.metadata.shared} bytes of shared memory"
-    shape = f"G={group} D={head_dim} bs={block_size} tile={tile} window={window}"
+    shape = f"G={group} D={head_dim} bs={block_size} tile={tile} window={window} softcap={softcap}"
     return f"{kernel} {dtype} {shape} sm_{arch}: ok"
 
 

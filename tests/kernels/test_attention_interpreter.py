@@ -70,6 +70,20 @@ def test_decode_kernel_matches_float64_loop(cfg: dict) -> None:
     check_decode(case, "triton", num_splits=num_splits)
 
 
+# Soft-capped scores (Gemma 2): fp32 and bf16, a window on one, splits on the decode.
+SOFTCAP_GRID = [
+    {"dtype": torch.float32, "group": 2, "window": None, "softcap": 0.7, "seed": 61},
+    {"dtype": torch.bfloat16, "group": 4, "window": 24, "softcap": 1.3, "seed": 62, "num_kv_heads": 1},
+]
+
+
+@pytest.mark.parametrize("cfg", SOFTCAP_GRID, ids=[case_id(c) for c in SOFTCAP_GRID])
+def test_softcapped_kernels_match_float64_loop(cfg: dict) -> None:
+    rng = random.Random(cfg["seed"])
+    check_decode(decode_case(mixed_lengths(4, 16, longest=70, rng=rng), **cfg), "triton", num_splits=3)
+    check_prefill(prefill_case([(0, 13), (37, 20), (32, 1)], **cfg), "triton")
+
+
 @pytest.mark.parametrize("cfg", PREFILL_GRID, ids=[case_id(c) for c in PREFILL_GRID])
 def test_prefill_kernel_matches_float64_loop(cfg: dict) -> None:
     rng = random.Random(cfg["seed"])

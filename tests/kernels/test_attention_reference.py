@@ -24,18 +24,24 @@ from tests.kernels.attention_oracle import (
 # --- the oracle against the engine's torch path ------------------------------------------------------
 
 
-def _engine_attend(q: Tensor, k: Tensor, v: Tensor, cache: Tensor, meta, scale: float) -> Tensor:
+def _engine_attend(
+    q: Tensor, k: Tensor, v: Tensor, cache: Tensor, meta, scale: float, softcap=None
+) -> Tensor:
     from base_engine.runner.attention import attend
 
-    return attend(q, k, v, cache, meta, scale)
+    return attend(q, k, v, cache, meta, scale, softcap)
 
 
-@pytest.mark.parametrize("window", [None, 20])
-def test_decode_oracle_matches_engine_torch_path(window: int | None) -> None:
+# (window, softcap): the soft-capped cases take the explicit-ops path instead of SDPA.
+CASES = [(None, None), (20, None), (None, 0.8), (20, 1.5)]
+
+
+@pytest.mark.parametrize(("window", "softcap"), CASES)
+def test_decode_oracle_matches_engine_torch_path(window: int | None, softcap: float | None) -> None:
     from base_engine.runner.attention import AttentionMetadata
     from base_engine.runner.decode_buckets import build_decode_buckets
 
-    case = decode_case([37, 1, 16, 70, 5], window=window, seed=1)
+    case = decode_case([37, 1, 16, 70, 5], window=window, softcap=softcap, seed=1)
     tables = [row[row != 0].tolist() for row in case.pool.clean_tables]  # block 0: nobody's
     cache = case.pool.clean.clone()
     cache[:, 0] = 0  # the engine pads short rows of a bucket with a zero "null block"
@@ -45,15 +51,15 @@ def test_decode_oracle_matches_engine_torch_path(window: int | None) -> None:
         dtype=torch.float32, **extra,
     )  # fmt: skip
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), buckets, [])
-    got = _engine_attend(case.q, case.q, case.q, cache, meta, case.scale)
+    got = _engine_attend(case.q, case.q, case.q, cache, meta, case.scale, softcap)
     assert_close(got, decode_oracle(case), torch.float32)
 
 
-@pytest.mark.parametrize("window", [None, 24])
-def test_prefill_oracle_matches_engine_torch_path(window: int | None) -> None:
+@pytest.mark.parametrize(("window", "softcap"), CASES)
+def test_prefill_oracle_matches_engine_torch_path(window: int | None, softcap: float | None) -> None:
     from base_engine.runner.attention import AttentionMetadata, PrefillChunk, chunk_mask, write_kv
 
-    case = prefill_case([(0, 9), (40, 17), (33, 1)], window=window, seed=2)
+    case = prefill_case([(0, 9), (40, 17), (33, 1)], window=window, softcap=softcap, seed=2)
     cache = case.pool.clean.clone()
     bs = case.pool.block_size
     chunks, slots = [], []
@@ -68,7 +74,7 @@ def test_prefill_oracle_matches_engine_torch_path(window: int | None) -> None:
     # the engine writes the chunk's own K/V to the cache first, then reads the prefix from it
     write_kv(cache, case.k[rows], case.v[rows], torch.tensor(slots, dtype=torch.long))
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), [], chunks)
-    got = _engine_attend(case.q, case.k, case.v, cache, meta, case.scale)
+    got = _engine_attend(case.q, case.k, case.v, cache, meta, case.scale, softcap)
     assert_close(got[rows], prefill_oracle(case)[rows], torch.float32)
 
 

@@ -36,6 +36,18 @@ def grid(seed: int) -> list[dict]:
 
 
 GRID = grid(seed=17)
+# Soft-capped scores (Gemma 2): every dtype, with and without a window; caps near the scores' size.
+SOFTCAP_GRID = [
+    {"dtype": dtype, "group": 2, "window": window, "softcap": cap, "seed": 50 + i}
+    for i, (dtype, window, cap) in enumerate(itertools.product(DTYPES, (None, 24), (0.7,)))
+]
+
+
+@pytest.mark.parametrize("cfg", SOFTCAP_GRID, ids=[case_id(c) for c in SOFTCAP_GRID])
+def test_softcapped_twin_matches_float64_loop(cfg: dict) -> None:
+    rng = random.Random(cfg["seed"])
+    check_decode(decode_case(mixed_lengths(4, 16, longest=90, rng=rng), with_rows=True, **cfg), "torch")
+    check_prefill(prefill_case([(0, 17), (37, 20), (32, 1)], **cfg), "torch")
 
 
 @pytest.mark.parametrize("cfg", GRID, ids=[case_id(c) for c in GRID])

@@ -4,6 +4,8 @@ without the network: conversions are stubbed where a real one would take a minut
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -13,9 +15,12 @@ from api.bootstrap import resolve_model
 from api.checkpoints import sources as model_source
 from api.checkpoints.gguf import CONVERSION_VERSION, MARKER_FILE, is_converted
 from api.checkpoints.sources import (
+    GEMMA3_270M,
     RANDOM_DEMO,
     SMOLLM2,
+    PackagedModel,
     classify,
+    ensure_default_model,
     ensure_gguf,
     last_served_model,
     record_served_model,
@@ -69,6 +74,40 @@ def test_gguf_converted_once_and_found_by_hash(tmp_path: Path, monkeypatch: pyte
     assert len(calls) == 1 and first.name.startswith("sha256-") and is_converted(first)
     a.write_bytes(b"GGUF two")
     assert ensure_gguf(a, tmp_path / "models", progress=False) != first and len(calls) == 2
+
+
+def test_a_packaged_model_is_assembled_from_its_parts_checked_and_converted_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert classify("gemma3-270m") == model_source.ModelSource("packaged", "gemma3-270m", "gemma-3-270m")
+    assert classify("google/gemma-3-270m").kind == "packaged" and len(GEMMA3_270M.parts) == 4
+    chunks = {"pkg-a": b"GGUF first chunk, ", "pkg-b": b"second chunk"}
+    for package, data in chunks.items():
+        (tmp_path / package).write_bytes(data)
+    whole = b"".join(chunks.values())
+    model = PackagedModel(
+        served_name="m", aliases=("m",), version="1", parts=(("pkg-a", "a/part00"), ("pkg-b", "b/part01")),
+        gguf_name="m.gguf", sha256=hashlib.sha256(whole).hexdigest(), size_mb=1, generation_config=(),
+    )  # fmt: skip
+    monkeypatch.setattr(model_source, "_installed_part", lambda package, version, member: tmp_path / package)
+    converted: list[bytes] = []
+
+    def fake_convert(gguf: Path, out: Path, **kwargs: object) -> Path:
+        converted.append(gguf.read_bytes())
+        out.mkdir(parents=True)
+        (out / MARKER_FILE).write_text(json.dumps({"version": CONVERSION_VERSION}))
+        return out
+
+    monkeypatch.setattr(model_source, "convert_gguf", fake_convert)
+    out = ensure_default_model(tmp_path / "models", model=model, progress=False)
+    assert converted == [whole] and out.name == f"sha256-{model.sha256}"
+    assert (
+        ensure_default_model(tmp_path / "models", model=model, progress=False) == out and len(converted) == 1
+    )
+    tampered = dataclasses.replace(model, sha256="0" * 64)
+    with pytest.raises(RuntimeError, match=f"has SHA-256 {model.sha256}, expected 0000"):
+        ensure_default_model(tmp_path / "models", model=tampered, progress=False)
+    assert len(converted) == 1 and not (tmp_path / "models" / f"sha256-{'0' * 64}").exists()
 
 
 def test_served_model_is_remembered_for_adapter_push(tmp_path: Path) -> None:
