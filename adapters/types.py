@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 # The seven projections a LoRA adapter may target, in the order the engine stacks them.
 LORA_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -23,6 +26,7 @@ class BaseModelShapes:
     num_key_value_heads: int
     head_dim: int
     vocab_size: int
+    bias_modules: tuple[str, ...] = ()  # projections with a base bias (Qwen2: q/k/v), in LORA_MODULES
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of one projection, as nn.Linear sees it."""
@@ -40,6 +44,20 @@ class BaseModelShapes:
         if module not in shapes:
             raise ValueError(f"unknown projection {module!r}; expected one of {LORA_MODULES}")
         return shapes[module]
+
+
+class BaseWeights(Protocol):
+    """The served base model's projection weights, for what an adapter computes from them (DoRA's norm).
+
+    Handed to the adapter cache by base_engine as a plain value; tensors are views, never copied."""
+
+    def weight(self, layer: int, module: str) -> torch.Tensor:
+        """[out_features, in_features] of one checkpoint projection (rows of a packed one)."""
+        ...
+
+    def bias(self, layer: int, module: str) -> torch.Tensor | None:
+        """[out_features], or None when the projection has no bias."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.harness.peft_adapters import edit_tensors
 from tests.harness.servers import MAX_LORA_RANK, MAX_UPLOAD_BYTES, Server, bearer
@@ -121,8 +122,18 @@ def _refusals(tmp: Path, good: Path) -> Iterator[tuple[str, str, dict[str, bytes
     nan_dir = Path(shutil.copytree(good, tmp / "nan"))
     edit_tensors(nan_dir, _nan)
     yield "nan", "n", files_of(nan_dir), 400, "finite"
-    dora = files_of(peft_adapter(tmp / "dora", use_dora=True))
-    yield "dora", "d", dora, 400, "use_dora"
+    dora = peft_adapter(tmp / "dora", use_dora=True)
+    magnitude = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+    for case, edit, needle in (
+        ("dora inf magnitude",
+         lambda t: {**t, magnitude: t[magnitude].index_fill(0, torch.tensor([3]), math.inf)},
+         f"{magnitude} has non-finite values (expected shape (64,))"),
+        ("dora short magnitude", lambda t: {**t, magnitude: t[magnitude][:63].clone()},
+         f"{magnitude} has shape (63,), expected (64,)"),
+    ):  # fmt: skip
+        bad = Path(shutil.copytree(dora, tmp / case.replace(" ", "_")))
+        edit_tensors(bad, edit)
+        yield case, "d", files_of(bad), 400, needle
     yield "missing config", "c", {WEIGHTS: files[WEIGHTS]}, 400, CONFIG
     truncated = {CONFIG: files[CONFIG], WEIGHTS: files[WEIGHTS][: len(files[WEIGHTS]) // 2]}
     yield "truncated", "t", truncated, 400, "safetensors"
@@ -148,6 +159,22 @@ def test_refused_uploads_store_nothing(
     assert server.store_keys() == before
     listing = httpx.get(f"{server.base_url}/v1/adapters", headers=bearer(key)).json()["data"]
     assert not {a["name"] for a in listing} & {"p", "h", "r", "n", "d", "c", "t", "o"}
+
+
+def test_dora_upload_is_served(server: Server, tmp_path: Path) -> None:
+    _, key = server.tenant("dora")
+    dora = peft_adapter(tmp_path / "dora", use_dora=True, target_modules=["q_proj", "v_proj", "gate_proj"])
+    edit_tensors(dora, lambda t: {k: v * (3.0 if "magnitude" in k else 4.0) for k, v in t.items()})
+    assert upload(server, key, "dora", files_of(dora)).status_code == 201
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+
+    def greedy(model: str) -> list[float]:
+        choice = client.completions.create(
+            model=model, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=1
+        ).choices[0]
+        return choice.logprobs.token_logprobs
+
+    assert greedy("dora") != greedy("tiny-llama")  # applied, never the base model
 
 
 def test_oversize_body_without_content_length_is_cut_off(server: Server, key: str) -> None:
