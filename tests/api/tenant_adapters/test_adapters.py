@@ -114,7 +114,8 @@ def _nan(tensors: dict) -> dict:
 def _refusals(tmp: Path, good: Path) -> Iterator[tuple[str, str, dict[str, bytes], int, str]]:
     """(case, adapter name, files, status, text the error must contain)."""
     files = files_of(good)
-    yield "pickle", "p", {CONFIG: files[CONFIG], "adapter_model.bin": b"\x80\x04pickle"}, 400, "pickle"
+    pickle = {CONFIG: files[CONFIG], "adapter_model.bin": b"\x80\x04pickle"}
+    yield "pickle", "p", pickle, 400, "never read; convert them locally with `loraserve adapter convert DIR`"
     wrong = files_of(peft_adapter_on(tmp / "wide", hidden_size=96))
     yield "hidden size", "h", wrong, 400, "shape"
     big_rank = files_of(peft_adapter(tmp / "rank", r=MAX_LORA_RANK * 2, target_modules=["q_proj"]))
