@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -85,6 +85,34 @@ class AdapterValidationError(AdapterFormatError):
     """A well-formed adapter that breaks a serving limit (rank, size) or carries non-finite values."""
 
 
+@dataclass(frozen=True, slots=True)
+class ModuleCoverage:
+    layer: int
+    module: str  # one of LORA_MODULES
+    kind: str  # "lora" | "dora"
+    rank: int
+    scale: float
+    delta_fro: float  # ||scale * B A||_F
+    relative_delta: float | None  # delta_fro / ||W||_F; None when the base norms were not given
+
+
+@dataclass(frozen=True, slots=True)
+class CoverageReport:
+    modules: tuple[ModuleCoverage, ...]  # by layer, then LORA_MODULES order
+    kinds: tuple[str, ...]  # kinds present, e.g. ("lora",) or ("lora", "dora")
+    warning: str | None  # set when every relative delta is below NEGLIGIBLE
+
+    def as_json(self) -> dict[str, Any]:
+        """The stored and served form: modules grouped per layer."""
+        layers: dict[str, dict[str, Any]] = {}
+        for m in self.modules:
+            layers.setdefault(str(m.layer), {})[m.module] = {
+                "kind": m.kind, "rank": m.rank, "scale": m.scale, "delta_fro": m.delta_fro,
+                "relative_delta": m.relative_delta,
+            }  # fmt: skip
+        return {"kinds": list(self.kinds), "layers": layers, "warning": self.warning}
+
+
 @dataclass(frozen=True)
 class AdapterSummary:
     """What validation learned about one adapter version (stored by the registry, shown by the console)."""
@@ -96,3 +124,4 @@ class AdapterSummary:
     size_bytes: int  # of adapter_model.safetensors
     sha256: str  # hex digest of adapter_model.safetensors bytes
     config_sha256: str  # hex digest of adapter_config.json bytes
+    coverage: CoverageReport | None = None  # what it changes on the served model (adapters/coverage.py)

@@ -80,6 +80,7 @@ class LLMEngine:
             fetch=fetch,
             base_weights=ModelWeights(model),
         )
+        self.base_weight_norms = ModelWeights(model).frobenius_norms()  # for uploads' coverage reports
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=self.config.max_num_seqs,

@@ -19,7 +19,7 @@ from torch import nn
 from adapters.cache import AdapterCache
 from adapters.loader import Fetch
 from adapters.slots import SlotPool
-from adapters.types import AdapterRef, BaseModelShapes, BaseWeights
+from adapters.types import LORA_MODULES, AdapterRef, BaseModelShapes, BaseWeights
 from base_engine.lora_policy import LoraAdmissionPolicy
 from base_engine.model.decoder import PACKED, CausalLM
 from base_engine.outputs import AdapterCacheStats, AdapterRequests
@@ -74,6 +74,15 @@ class ModelWeights:
     def bias(self, layer: int, module: str) -> torch.Tensor | None:
         linear, rows = self._rows(layer, module)
         return None if linear.bias is None else linear.bias.detach()[rows]
+
+    @torch.no_grad()
+    def frobenius_norms(self) -> dict[tuple[int, str], float]:
+        """||W||_F in float64 per (layer, checkpoint projection): fixed for the engine's life."""
+        return {
+            (layer, module): float(torch.linalg.norm(self.weight(layer, module).double()))
+            for layer in range(len(self.model.model.layers))
+            for module in LORA_MODULES
+        }
 
 
 class LoraStepBatch:

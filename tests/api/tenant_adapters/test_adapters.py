@@ -135,6 +135,8 @@ def _refusals(tmp: Path, good: Path) -> Iterator[tuple[str, str, dict[str, bytes
         bad = Path(shutil.copytree(dora, tmp / case.replace(" ", "_")))
         edit_tensors(bad, edit)
         yield case, "d", files_of(bad), 400, needle
+    untrained = {**files, WEIGHTS: _scaled_b(files[WEIGHTS], 0.0)}
+    yield "untrained", "u", untrained, 400, "the adapter changes nothing"
     yield "missing config", "c", {WEIGHTS: files[WEIGHTS]}, 400, CONFIG
     truncated = {CONFIG: files[CONFIG], WEIGHTS: files[WEIGHTS][: len(files[WEIGHTS]) // 2]}
     yield "truncated", "t", truncated, 400, "safetensors"
@@ -160,6 +162,42 @@ def test_refused_uploads_store_nothing(
     assert server.store_keys() == before
     listing = httpx.get(f"{server.base_url}/v1/adapters", headers=bearer(key)).json()["data"]
     assert not {a["name"] for a in listing} & {"p", "h", "r", "n", "d", "c", "t", "o"}
+
+
+def test_upload_reports_coverage(server: Server, key: str, good_dir: Path, tiny_llama_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    r = upload(server, key, "cov", files_of(good_dir))
+    assert r.status_code == 201, r.text
+    coverage = r.json()["coverage"]
+    assert (
+        coverage["kinds"] == ["lora"]
+        and coverage["warning"] is None
+        and list(coverage["layers"]) == ["0", "1"]
+    )
+    base = load_file(str(next(tiny_llama_dir.glob("*.safetensors"))))
+    factors = load_file(str(good_dir / WEIGHTS))
+    for layer, modules in coverage["layers"].items():
+        assert list(modules) == ["q_proj", "v_proj", "down_proj"]
+        for module, entry in modules.items():
+            name = f"model.layers.{layer}.{'mlp' if module == 'down_proj' else 'self_attn'}.{module}"
+            a, b = (factors[f"base_model.model.{name}.lora_{w}.weight"].double() for w in "AB")
+            fro = float(torch.linalg.norm(2.0 * b @ a))  # scale = lora_alpha / r = 8 / 4
+            assert (entry["kind"], entry["rank"], entry["scale"]) == ("lora", 4, 2.0)
+            assert entry["delta_fro"] == pytest.approx(fro, rel=1e-6)
+            relative = fro / float(torch.linalg.norm(base[f"{name}.weight"].double()))
+            assert entry["relative_delta"] == pytest.approx(relative, rel=1e-6)
+    detail = httpx.get(f"{server.base_url}/v1/adapters/cov", headers=bearer(key)).json()
+    assert detail["versions"][-1]["coverage"] == coverage
+    tiny = {**files_of(good_dir), WEIGHTS: _scaled_b(files_of(good_dir)[WEIGHTS], 1e-8)}
+    r = upload(server, key, "cov", tiny)
+    assert r.status_code == 201 and r.json()["coverage"]["warning"].startswith("negligible change")
+
+
+def _scaled_b(weights: bytes, factor: float) -> bytes:
+    from safetensors.torch import load, save
+
+    return save({k: v * factor if "lora_B" in k else v for k, v in load(weights).items()})
 
 
 def test_dora_upload_is_served(server: Server, tmp_path: Path) -> None:
