@@ -14,15 +14,16 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import partial
+from pathlib import Path
 
 import torch
 
+from adapters.dora import with_dora_scales
 from adapters.eviction import EvictionPolicy, LruEviction
-from adapters.format import LoraAdapter, load_adapter
+from adapters.format import LoraAdapter, LoraPair, load_adapter
 from adapters.loader import AdapterLoader, Fetch, PendingLoad
 from adapters.slots import SlotPool
-from adapters.types import AdapterRef, BaseModelShapes
+from adapters.types import AdapterRef, BaseModelShapes, BaseWeights
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,10 @@ class AdapterCache:
         dtype: torch.dtype,
         device: torch.device,
         eviction: EvictionPolicy | None = None,
+        base_weights: BaseWeights | None = None,
     ) -> None:
         self.base = base
+        self.base_weights = base_weights  # for DoRA's norms, computed at load (adapters/dora.py)
         self.fetch = fetch
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
@@ -71,8 +74,12 @@ class AdapterCache:
         self.host_bytes: dict[str, int] = {}  # ref.id -> bytes of its factors, computed once at load
         self.pinned: dict[str, AdapterRef] = {}  # operator pins, by ref.id
         self.stats = CacheStats()
-        parse = partial(load_adapter, base=base, dtype=dtype, max_lora_rank=max_lora_rank)
-        self.loader = AdapterLoader(fetch, parse)
+        self.loader = AdapterLoader(fetch, self._parse)
+
+    def _parse(self, path: Path) -> LoraAdapter:
+        """Parse and check one adapter directory, then precompute DoRA's scales (loader threads)."""
+        adapter = load_adapter(path, base=self.base, dtype=self.dtype, max_lora_rank=self.max_lora_rank)
+        return with_dora_scales(adapter, self.base_weights)
 
     @property
     def pending(self) -> dict[str, PendingLoad]:
@@ -259,13 +266,23 @@ class AdapterCache:
 
 
 def adapter_bytes(adapter: LoraAdapter) -> int:
+    """Host bytes of the factors and of DoRA's vectors (magnitude, out_scale, out_shift)."""
     return sum(
-        p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in adapter.weights.values()
+        t.numel() * t.element_size()
+        for p in adapter.weights.values()
+        for t in (p.a, p.b, p.magnitude, p.out_scale, p.out_shift)
+        if t is not None
     )
 
 
 def _pin_host_memory(adapter: LoraAdapter) -> LoraAdapter:
-    from adapters.format import LoraPair
+    def pin(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.pin_memory()
 
-    weights = {k: LoraPair(p.a.pin_memory(), p.b.pin_memory(), p.scale) for k, p in adapter.weights.items()}
+    weights = {
+        k: LoraPair(
+            p.a.pin_memory(), p.b.pin_memory(), p.scale, pin(p.magnitude), pin(p.out_scale), pin(p.out_shift)
+        )
+        for k, p in adapter.weights.items()
+    }
     return LoraAdapter(rank_by_module=adapter.rank_by_module, max_rank=adapter.max_rank, weights=weights)

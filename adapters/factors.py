@@ -16,9 +16,11 @@ from adapters.types import AdapterFormatError, AdapterValidationError, BaseModel
 _PREFIX = "base_model.model."
 _LORA_TENSOR = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight")
 _VELORA_TENSOR = re.compile(r"(?P<module>.+)\.lora_velora_embed(?:\.default)?")
+# DoRA's learned magnitude [out_features] (PEFT saves it without ".weight"; older files had ".default").
+_MAGNITUDE_TENSOR = re.compile(r"(?P<module>.+)\.lora_magnitude_vector(?:\.default)?(?:\.weight)?")
 # Tensor-name fragments PEFT writes for features we refuse, so the error says which feature it was.
 _KNOWN_REFUSED = {
-    "lora_magnitude_vector": "DoRA magnitude vector (use_dora)",
+    "lora_magnitude_vector": "a DoRA magnitude vector, but adapter_config.json does not set use_dora",
     "lora_embedding_": "LoRA on an embedding",
     ".bias": "a LoRA or base bias (lora_bias / bias)",
     "trainable_tokens": "trainable token rows (trainable_token_indices)",
@@ -28,13 +30,20 @@ _KNOWN_REFUSED = {
 
 
 def split_tensors(
-    tensors: dict[str, torch.Tensor], targets: dict[str, tuple[int, str]], base: BaseModelShapes, velora: bool
+    tensors: dict[str, torch.Tensor],
+    targets: dict[str, tuple[int, str]],
+    base: BaseModelShapes,
+    velora: bool,
+    dora: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Module key -> {"A": tensor, "B": tensor}; any tensor not for a targeted projection is refused."""
+    """Module key -> {"A": tensor, "B": tensor[, "M": DoRA magnitude]}; any tensor not for a targeted
+    projection is refused."""
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         key = name.removeprefix(_PREFIX)
         found = _LORA_TENSOR.fullmatch(key) if name.startswith(_PREFIX) else None
+        if found is None and dora and name.startswith(_PREFIX):
+            found = _MAGNITUDE_TENSOR.fullmatch(key)
         if found is None:
             if velora and name.startswith(_PREFIX) and _VELORA_TENSOR.fullmatch(key):
                 continue  # VeLoRA's buffer only feeds its training-time backward pass
@@ -54,10 +63,37 @@ def split_tensors(
                 f"tensor {name!r} is for module {module!r}, which adapter_config.json does not target"
             )
         pair = by_module.setdefault(module, {})
-        if found.group("which") in pair:
-            raise AdapterFormatError(f"tensor {name!r} duplicates lora_{found.group('which')} of {module!r}")
-        pair[found.group("which")] = tensor
+        which = found.groupdict().get("which") or "M"
+        if which in pair:
+            raise AdapterFormatError(f"tensor {name!r} duplicates {_FACTOR_NAMES[which]} of {module!r}")
+        pair[which] = tensor
     return by_module
+
+
+_FACTOR_NAMES = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
+
+
+def checked_magnitude(
+    key: str, module: str, pair: dict[str, torch.Tensor], base: BaseModelShapes
+) -> torch.Tensor:
+    """DoRA's magnitude of one targeted module as float32 [out_features], finite (the served scale is
+    computed from it in float32 whatever the serving dtype)."""
+    name = f"{_PREFIX}{key}.lora_magnitude_vector"
+    out_features = base.module_shape(module)[1]
+    if "M" not in pair:
+        raise AdapterFormatError(f"adapter_config.json sets use_dora but tensor {name} is missing")
+    magnitude = pair["M"]
+    if tuple(magnitude.shape) != (out_features,):
+        raise AdapterFormatError(
+            f"tensor {name} has shape {tuple(magnitude.shape)}, expected ({out_features},) "
+            f"(one magnitude per output feature of the base {module})"
+        )
+    magnitude = magnitude.to(torch.float32).contiguous()
+    if not bool(torch.isfinite(magnitude).all()):
+        raise AdapterValidationError(
+            f"tensor {name} has non-finite values (expected shape ({out_features},))"
+        )
+    return magnitude
 
 
 def checked_factors(

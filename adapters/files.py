@@ -15,6 +15,11 @@ from adapters.types import AdapterFormatError, AdapterValidationError
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
+# What a refusal of pickle weights tells the tenant: the safe, local way to get the safetensors file.
+PICKLE_ADVICE = (
+    f"pickle weights are never read; convert them locally with `loraserve adapter convert DIR` "
+    f"(loads {PICKLE_NAME} with torch.load(weights_only=True) and writes {WEIGHTS_NAME}), then upload that"
+)
 _MAX_CONFIG_BYTES = 1 << 20
 # PEFT configs and safetensors headers nest three or four levels; a deeper document is hostile (near
 # the interpreter's recursion limit it breaks json.loads, and later repr() and comparisons of it).
@@ -57,10 +62,7 @@ def read_adapter_files(
     config_path, weights_path = adapter_dir / CONFIG_NAME, adapter_dir / WEIGHTS_NAME
     if not weights_path.is_file():
         if (adapter_dir / PICKLE_NAME).exists():
-            raise AdapterFormatError(
-                f"the adapter has only {PICKLE_NAME}: pickle files are never loaded; "
-                f"re-save with safe_serialization=True to get {WEIGHTS_NAME}"
-            )
+            raise AdapterFormatError(f"the adapter has only {PICKLE_NAME}: {PICKLE_ADVICE}")
         raise AdapterFormatError(f"{WEIGHTS_NAME} is missing")  # no path: messages reach tenants
     if not config_path.is_file():
         raise AdapterFormatError(f"{CONFIG_NAME} is missing")

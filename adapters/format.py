@@ -8,7 +8,9 @@ that flag to False on nn.Linear, and it only ever transposes the *merged* delta,
 neither do we. LoRA: Hu et al. 2021, arXiv:2106.09685. Safetensors: huggingface/safetensors format
 (8-byte little-endian header length, JSON header, raw little-endian data).
 
-Pickle (`adapter_model.bin`) is never loaded. Anything PEFT would apply differently from
+Pickle (`adapter_model.bin`) is never loaded. DoRA (`use_dora`, Liu et al. 2024, arXiv:2402.09353)
+adds `...lora_magnitude_vector` [out_features] per module (checked here; the served scale needs the base
+weights and is computed at load, adapters/dora.py). Anything else PEFT would apply differently from
 `W x + scale * B A x` on the seven projections is refused with an `AdapterFormatError` naming the
 field or tensor (see adapters/README.md).
 
@@ -27,9 +29,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from adapters.factors import check_delta_bound, checked_factors, split_tensors
+from adapters.factors import check_delta_bound, checked_factors, checked_magnitude, split_tensors
 from adapters.files import WEIGHTS_NAME, AdapterFiles, read_adapter_files
-from adapters.peft_fields import SUPPORTED_MODEL_TYPES, check_fields
+from adapters.peft_fields import SUPPORTED_MODEL_TYPES, check_fields, check_type
 from adapters.peft_rank import parse_spec
 from adapters.peft_targets import resolve_targets
 from adapters.safetensors_header import check_header, mapped_tensors
@@ -38,11 +40,15 @@ from adapters.types import LORA_MODULES, AdapterFormatError, AdapterValidationEr
 
 @dataclass(frozen=True, slots=True)
 class LoraPair:
-    """One projection's LoRA factors: delta_W = scale * b @ a."""
+    """One projection's LoRA factors: delta_W = scale * b @ a; with DoRA, y = out_scale * (W x + delta_W x)
+    (+ out_shift), computed from `magnitude` and the base weight at load (adapters/dora.py)."""
 
     a: torch.Tensor  # [r, in_features]
     b: torch.Tensor  # [out_features, r]
     scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA, after rank/alpha patterns
+    magnitude: torch.Tensor | None = None  # DoRA's m [out_features] float32, as parsed
+    out_scale: torch.Tensor | None = None  # DoRA's m / ||W + scale * b @ a||_row [out_features] float32
+    out_shift: torch.Tensor | None = None  # (1 - out_scale) * bias [out_features] float32 (bias kept as is)
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,10 @@ class LoraAdapter:
     def modules(self) -> tuple[str, ...]:
         """Covered projections, in LORA_MODULES order."""
         return tuple(m for m in LORA_MODULES if m in self.rank_by_module)
+
+    @property
+    def is_dora(self) -> bool:
+        return any(p.magnitude is not None or p.out_scale is not None for p in self.weights.values())
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -76,6 +86,7 @@ def parse_adapter(
             f"base model_type={base.model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}"
         )
     check_fields(files.config)
+    use_dora = bool(check_type(files.config, "use_dora", (bool, type(None)), False))
     spec = parse_spec(files.config)
     targets = resolve_targets(files.config, base)
     check_header(files.weights_bytes)
@@ -86,15 +97,17 @@ def parse_adapter(
             tensors = load_safetensors(files.weights_bytes)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise AdapterFormatError(f"{WEIGHTS_NAME} could not be parsed: {exc}") from exc
-    by_module = split_tensors(tensors, targets, base, spec.has_velora)
+    by_module = split_tensors(tensors, targets, base, spec.has_velora, dora=use_dora)
     weights: dict[tuple[int, str], LoraPair] = {}
     for key, (layer, module) in targets.items():
         r, scale = spec.rank_and_scale(key)
         if max_lora_rank is not None and r > max_lora_rank:
             raise AdapterValidationError(f"{key} has rank {r}, above max_lora_rank={max_lora_rank}")
-        a, b = checked_factors(key, module, by_module.get(key, {}), r, base, dtype)
+        factors = by_module.get(key, {})
+        a, b = checked_factors(key, module, factors, r, base, dtype)
         check_delta_bound(key, a, b, scale, dtype)
-        weights[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
+        magnitude = checked_magnitude(key, module, factors, base) if use_dora else None
+        weights[(layer, module)] = LoraPair(a=a, b=b, scale=scale, magnitude=magnitude)
     ranks: dict[str, int] = {}
     for (_, module), pair in weights.items():
         ranks[module] = max(ranks.get(module, 0), pair.a.shape[0])

@@ -19,7 +19,6 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", 
 
 # Fields whose non-default value changes what the adapter computes in a way the engine cannot reproduce.
 REFUSED_WHEN_SET: dict[str, str] = {
-    "use_dora": "DoRA rescales each output column by a learned magnitude",
     "use_qalora": "QA-LoRA pools the input before lora_A",
     "lora_bias": "a trained bias on lora_B",
     "modules_to_save": "full trained copies of base modules",
@@ -41,6 +40,7 @@ _HARMLESS_INITS: tuple[str, ...] = ("gaussian", "eva", "orthogonal", "mica")
 APPLIED_FIELDS: frozenset[str] = frozenset(
     {"peft_type", "task_type", "r", "lora_alpha", "use_rslora", "target_modules", "exclude_modules"}
     | {"layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern", "bias", "init_lora_weights"}
+    | {"use_dora"}
 )
 IGNORED_FIELDS: frozenset[str] = frozenset(
     {"lora_dropout", "fan_in_fan_out", "inference_mode", "base_model_name_or_path", "revision"}

@@ -7,6 +7,11 @@ device (`kernels.sgmv.layout.alloc_stacks`: on CPU the slices' A factors are int
 shrinks all slices of a projection in one call). Writing an adapter into slot n is the only
 host-to-device work the engine step ever does for adapters. A module an adapter does not cover gets
 rank 0 in that slot, so the kernels use nothing of it.
+
+DoRA: each packed projection also holds `out_scale: [N, sum(H_out_s)]` float32 (1 where the slot's
+adapter is plain LoRA or does not cover the module) and, when the base projection has a bias,
+`out_shift` (0 there); `dora_slots` says on the host which slots need them, so a step without DoRA
+rows never passes them to the kernels.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters.format import LoraAdapter
+from adapters.format import LoraAdapter, LoraPair
 from adapters.types import BaseModelShapes
 from kernels.sgmv.layout import alloc_stacks
 
@@ -34,6 +39,9 @@ class ProjectionSlots:
     lora_b: list[torch.Tensor]  # S x [N, H_out_s, R_max] (transposed views of rank-major storage)
     scales: torch.Tensor  # [S, N] float32
     ranks: torch.Tensor  # [S, N] int32
+    out_scale: torch.Tensor  # [N, sum(H_out_s)] float32, DoRA's m / ||W + s B A|| (1: not DoRA)
+    out_shift: torch.Tensor | None  # [N, sum(H_out_s)] float32 (1 - out_scale) * bias; None: no bias
+    dora_slots: set[int]  # host: slots whose adapter rescales this projection
 
 
 class SlotPool:
@@ -58,11 +66,18 @@ class SlotPool:
                 lora_a, lora_b = alloc_stacks(
                     num_slots, max_rank, shapes[0][0], [o for _, o in shapes], dtype=dtype, device=device
                 )
+                width = sum(o for _, o in shapes)
+                biased = any(m in base.bias_modules for m in modules)
                 per_proj[packed] = ProjectionSlots(
                     lora_a=lora_a,
                     lora_b=lora_b,
                     scales=torch.zeros(len(modules), num_slots, dtype=torch.float32, device=device),
                     ranks=torch.zeros(len(modules), num_slots, dtype=torch.int32, device=device),
+                    out_scale=torch.ones(num_slots, width, dtype=torch.float32, device=device),
+                    out_shift=torch.zeros(num_slots, width, dtype=torch.float32, device=device)
+                    if biased
+                    else None,
+                    dora_slots=set(),
                 )
             self.layers.append(per_proj)
         # Device memory the slot tensors hold (all slots, used or not); fixed for the pool's life.
@@ -70,15 +85,21 @@ class SlotPool:
 
     @staticmethod
     def bytes_per_slot(base: BaseModelShapes, max_rank: int, dtype: torch.dtype) -> int:
+        """Factors at max_rank plus the float32 DoRA vectors (out_scale; out_shift where biased)."""
         element = torch.empty((), dtype=dtype, device="cpu").element_size()
         per_layer = sum(sum(base.module_shape(m)) for mods in PACKED_PROJECTIONS.values() for m in mods)
-        return per_layer * max_rank * base.num_layers * element
+        vectors = 0
+        for modules in PACKED_PROJECTIONS.values():
+            width = sum(base.module_shape(m)[1] for m in modules)
+            vectors += width * (2 if any(m in base.bias_modules for m in modules) else 1)
+        return (per_layer * max_rank * element + vectors * 4) * base.num_layers
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter's factors into slot `slot` (host -> device; non_blocking from pinned memory)."""
         for layer, per_proj in enumerate(self.layers):
             for packed, modules in PACKED_PROJECTIONS.items():
                 proj = per_proj[packed]
+                self._write_out_vectors(proj, slot, [adapter.weights.get((layer, m)) for m in modules])
                 for s, module in enumerate(modules):
                     pair = adapter.weights.get((layer, module))
                     if pair is None:
@@ -90,3 +111,30 @@ class SlotPool:
                     proj.lora_b[s][slot, :, :rank].copy_(pair.b, non_blocking=True)
                     proj.ranks[s, slot] = rank
                     proj.scales[s, slot] = pair.scale
+
+    @staticmethod
+    def _write_out_vectors(proj: ProjectionSlots, slot: int, pairs: list[LoraPair | None]) -> None:
+        """DoRA's vectors of the slot across the packed output (1 and 0 where a module is not DoRA)."""
+        if not any(p is not None and p.out_scale is not None for p in pairs):
+            if slot in proj.dora_slots:
+                proj.out_scale[slot].fill_(1.0)
+                if proj.out_shift is not None:
+                    proj.out_shift[slot].zero_()
+                proj.dora_slots.discard(slot)
+            return
+        offset = 0
+        for s, pair in enumerate(pairs):
+            width = proj.lora_b[s].shape[1]
+            cols = slice(offset, offset + width)
+            offset += width
+            has = pair is not None and pair.out_scale is not None
+            if has:
+                proj.out_scale[slot, cols].copy_(pair.out_scale, non_blocking=True)
+            else:
+                proj.out_scale[slot, cols].fill_(1.0)
+            if proj.out_shift is not None:
+                if has and pair.out_shift is not None:
+                    proj.out_shift[slot, cols].copy_(pair.out_shift, non_blocking=True)
+                else:
+                    proj.out_shift[slot, cols].zero_()
+        proj.dora_slots.add(slot)

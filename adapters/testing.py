@@ -31,7 +31,9 @@ def save_random_adapter(
     seed: int = 0,
     std: float = 0.05,
     base_model_name: str = "",
+    dora: bool = False,
 ) -> Path:
+    """With `dora`, a DoRA adapter: also a `lora_magnitude_vector` [out] per module, in [0.5, 1.5)."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(base.num_layers):
@@ -40,6 +42,8 @@ def save_random_adapter(
             prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * std
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * std
+            if dora:
+                tensors[f"{prefix}.lora_magnitude_vector"] = torch.rand(out_features, generator=gen) + 0.5
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -51,7 +55,7 @@ def save_random_adapter(
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": dora,
         "modules_to_save": None,
         "init_lora_weights": True,
         "layers_to_transform": None,

@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
 
 # The seven projections a LoRA adapter may target, in the order the engine stacks them.
 LORA_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -23,6 +26,7 @@ class BaseModelShapes:
     num_key_value_heads: int
     head_dim: int
     vocab_size: int
+    bias_modules: tuple[str, ...] = ()  # projections with a base bias (Qwen2: q/k/v), in LORA_MODULES
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of one projection, as nn.Linear sees it."""
@@ -40,6 +44,20 @@ class BaseModelShapes:
         if module not in shapes:
             raise ValueError(f"unknown projection {module!r}; expected one of {LORA_MODULES}")
         return shapes[module]
+
+
+class BaseWeights(Protocol):
+    """The served base model's projection weights, for what an adapter computes from them (DoRA's norm).
+
+    Handed to the adapter cache by base_engine as a plain value; tensors are views, never copied."""
+
+    def weight(self, layer: int, module: str) -> torch.Tensor:
+        """[out_features, in_features] of one checkpoint projection (rows of a packed one)."""
+        ...
+
+    def bias(self, layer: int, module: str) -> torch.Tensor | None:
+        """[out_features], or None when the projection has no bias."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +85,34 @@ class AdapterValidationError(AdapterFormatError):
     """A well-formed adapter that breaks a serving limit (rank, size) or carries non-finite values."""
 
 
+@dataclass(frozen=True, slots=True)
+class ModuleCoverage:
+    layer: int
+    module: str  # one of LORA_MODULES
+    kind: str  # "lora" | "dora"
+    rank: int
+    scale: float
+    delta_fro: float  # ||scale * B A||_F
+    relative_delta: float | None  # delta_fro / ||W||_F; None when the base norms were not given
+
+
+@dataclass(frozen=True, slots=True)
+class CoverageReport:
+    modules: tuple[ModuleCoverage, ...]  # by layer, then LORA_MODULES order
+    kinds: tuple[str, ...]  # kinds present, e.g. ("lora",) or ("lora", "dora")
+    warning: str | None  # set when every relative delta is below NEGLIGIBLE
+
+    def as_json(self) -> dict[str, Any]:
+        """The stored and served form: modules grouped per layer."""
+        layers: dict[str, dict[str, Any]] = {}
+        for m in self.modules:
+            layers.setdefault(str(m.layer), {})[m.module] = {
+                "kind": m.kind, "rank": m.rank, "scale": m.scale, "delta_fro": m.delta_fro,
+                "relative_delta": m.relative_delta,
+            }  # fmt: skip
+        return {"kinds": list(self.kinds), "layers": layers, "warning": self.warning}
+
+
 @dataclass(frozen=True)
 class AdapterSummary:
     """What validation learned about one adapter version (stored by the registry, shown by the console)."""
@@ -78,3 +124,4 @@ class AdapterSummary:
     size_bytes: int  # of adapter_model.safetensors
     sha256: str  # hex digest of adapter_model.safetensors bytes
     config_sha256: str  # hex digest of adapter_config.json bytes
+    coverage: CoverageReport | None = None  # what it changes on the served model (adapters/coverage.py)

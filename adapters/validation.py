@@ -9,10 +9,12 @@ The returned `AdapterSummary` carries the sha256 of the exact bytes that were pa
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from adapters.coverage import coverage_report
 from adapters.files import read_adapter_files
 from adapters.format import parse_adapter
 from adapters.types import AdapterSummary, AdapterValidationError, BaseModelShapes
@@ -29,10 +31,13 @@ def validate_adapter(
     max_lora_rank: int,
     max_size_bytes: int,
     dtype: torch.dtype = torch.float32,
+    weight_norms: Mapping[tuple[int, str], float] | None = None,
 ) -> AdapterSummary:
     """Check an adapter directory on CPU; raises AdapterFormatError (or a subclass) naming the cause.
 
     `dtype` is the dtype the engine will serve the factors in: values must stay finite after the cast.
+    `weight_norms` (||W||_F per (layer, module) of the served model) give the coverage report's relative
+    deltas; an adapter that changes nothing is refused (adapters/coverage.py).
     """
     if dtype not in _SERVING_DTYPES:
         raise AdapterValidationError(
@@ -52,6 +57,7 @@ def validate_adapter(
             size_bytes=len(files.weights_bytes),
             sha256=hashlib.sha256(files.weights_bytes).hexdigest(),
             config_sha256=hashlib.sha256(files.config_bytes).hexdigest(),
+            coverage=coverage_report(adapter, weight_norms),
         )
         del adapter  # its factors view the map
     finally:

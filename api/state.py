@@ -142,4 +142,5 @@ class AppState:
             max_lora_rank=self.settings.max_lora_rank,
             max_size_bytes=self.upload_limits.weights_bytes,
             dtype=self.engine.dtype if self.settings.dtype == "auto" else DTYPES[self.settings.dtype],
+            weight_norms=self.engine.base_weight_norms,
         )

@@ -160,6 +160,11 @@ class AsyncEngine:
         return self.engine.dtype
 
     @property
+    def base_weight_norms(self) -> dict[tuple[int, str], float]:
+        """||W||_F per (layer, checkpoint projection) of the served weights (the coverage report's base)."""
+        return self.engine.base_weight_norms
+
+    @property
     def kv_cache(self) -> KvCacheInfo:
         return KvCacheInfo(
             block_size=self.engine.config.block_size,

@@ -17,7 +17,7 @@ from base_engine.block_manager import BlockManager
 from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
 from base_engine.invariant import Determinism
-from base_engine.lora import LoraStepBatch, make_lora_manager
+from base_engine.lora import LoraStepBatch, ModelWeights, make_lora_manager
 from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
 from base_engine.model.tokenizer import load_tokenizer
@@ -78,7 +78,9 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
             fetch=fetch,
+            base_weights=ModelWeights(model),
         )
+        self.base_weight_norms = ModelWeights(model).frobenius_norms()  # for uploads' coverage reports
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=self.config.max_num_seqs,

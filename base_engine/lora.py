@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from adapters.cache import AdapterCache
 from adapters.loader import Fetch
 from adapters.slots import SlotPool
-from adapters.types import AdapterRef, BaseModelShapes
+from adapters.types import LORA_MODULES, AdapterRef, BaseModelShapes, BaseWeights
 from base_engine.lora_policy import LoraAdmissionPolicy
+from base_engine.model.decoder import PACKED, CausalLM
 from base_engine.outputs import AdapterCacheStats, AdapterRequests
 from base_engine.sequence import Sequence
 from kernels.sgmv import SgmvMeta, add_lora, build_meta
@@ -45,6 +47,44 @@ class AdapterFailure(NamedTuple):
     error: str
 
 
+class ModelWeights:
+    """`adapters.types.BaseWeights` over the served model: checkpoint projections as row views of the
+    packed q/k/v and gate/up weights (what DoRA's norm is taken over)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+
+    def _rows(self, layer: int, module: str) -> tuple[nn.Linear, slice]:
+        block = self.model.model.layers[layer]
+        parent = block.self_attn if module in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp
+        packed, index = PACKED.get(module, (module, 0))
+        linear = getattr(parent, packed)
+        sizes = [parent.q_size, parent.kv_size, parent.kv_size] if packed == "qkv_proj" else None
+        if packed == "gate_up_proj":
+            sizes = [parent.intermediate_size] * 2
+        if sizes is None:
+            return linear, slice(None)
+        start = sum(sizes[:index])
+        return linear, slice(start, start + sizes[index])
+
+    def weight(self, layer: int, module: str) -> torch.Tensor:
+        linear, rows = self._rows(layer, module)
+        return linear.weight.detach()[rows]
+
+    def bias(self, layer: int, module: str) -> torch.Tensor | None:
+        linear, rows = self._rows(layer, module)
+        return None if linear.bias is None else linear.bias.detach()[rows]
+
+    @torch.no_grad()
+    def frobenius_norms(self) -> dict[tuple[int, str], float]:
+        """||W||_F in float64 per (layer, checkpoint projection): fixed for the engine's life."""
+        return {
+            (layer, module): float(torch.linalg.norm(self.weight(layer, module).double()))
+            for layer in range(len(self.model.model.layers))
+            for module in LORA_MODULES
+        }
+
+
 class LoraStepBatch:
     """`model.LoraBatch` for one step: token -> slot rows and the shared kernel metadata."""
 
@@ -53,20 +93,36 @@ class LoraStepBatch:
         self.token_slots = token_slots
         self.meta = meta
 
+    @property
+    def meta(self) -> SgmvMeta:
+        return self._meta
+
+    @meta.setter
+    def meta(self, meta: SgmvMeta) -> None:
+        # the step's slots, for DoRA's vectors (a captured CUDA graph rewrites the meta each replay)
+        self._meta = meta
+        self.step_slots = {a for a, n in zip(meta.seg_slots_host, meta.seg_lens_host, strict=True) if n}
+
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         slots = self.pool.layers[layer][projection]
+        # DoRA's vectors only when a row of this step needs them; always on CUDA, where a captured graph
+        # replays the launch with other adapters (plain slots hold 1 and 0 there, one load per tile).
+        out_scale = out_shift = None
+        if y.device.type != "cpu" or not slots.dora_slots.isdisjoint(self.step_slots):
+            out_scale, out_shift = slots.out_scale, slots.out_shift
         if y.device.type == "cpu":
             # Many small matmuls: on a few shared cores, extra OpenMP threads only add barrier waits.
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
                 add_lora(y, x, slots.lora_a, slots.lora_b, self.token_slots, scales=slots.scales,
-                         ranks=slots.ranks, meta=self.meta)  # fmt: skip
+                         ranks=slots.ranks, meta=self.meta, out_scale=out_scale,
+                         out_shift=out_shift)  # fmt: skip
             finally:
                 torch.set_num_threads(threads)
             return
         add_lora(y, x, slots.lora_a, slots.lora_b, self.token_slots, scales=slots.scales, ranks=slots.ranks,
-                 meta=self.meta)  # fmt: skip
+                 meta=self.meta, out_scale=out_scale, out_shift=out_shift)  # fmt: skip
 
 
 class LoraManager:
@@ -198,6 +254,7 @@ def make_lora_manager(
     dtype: torch.dtype,
     device: torch.device,
     fetch: Fetch | None,
+    base_weights: BaseWeights | None = None,
 ) -> LoraManager:
     """The adapter cache over the base model's shapes and its admission policy (given to the scheduler).
 
@@ -211,5 +268,6 @@ def make_lora_manager(
         max_cpu_loras=max_cpu_loras,
         dtype=dtype,
         device=device,
+        base_weights=base_weights,
     )
     return LoraManager(cache, LoraAdmissionPolicy(cache, max_wait_s=max_wait_s))

@@ -1,4 +1,4 @@
-"""Decode throughput at batch 32: no adapter, one shared adapter, 32 distinct adapters.
+"""Decode throughput at batch 32: no adapter, one shared adapter, 32 distinct adapters, 32 distinct DoRA.
 
     python benchmarks/lora_overhead.py --json                   # bench-small
     python benchmarks/lora_overhead.py --model smollm2 --json   # the default served model
@@ -7,8 +7,9 @@ Three engines (same model, configuration and prompts; only the adapters differ) 
 requests past their prefills; their decode steps are interleaved one by one (the order rotating every
 round) and each case's tokens/s is 32 / its median step time. Interleaving single steps (~0.1 s) lets a
 burst of load from other work on a shared machine hit all three cases alike, and the median drops the
-steps it hit hardest. Targets: one_over_base >= 0.85, distinct_over_base >= 0.70. Prints the bytes read
-per decode step (base weights + the distinct adapters' factors) with each figure.
+steps it hit hardest. Targets: one_over_base >= 0.85, distinct_over_base >= 0.70, and 32 distinct DoRA
+adapters vs 32 distinct plain ones dora_over_lora >= 0.9 (same factors plus the per-slot output scale).
+Prints the bytes read per decode step (base weights + the distinct adapters' factors) with each figure.
 """
 
 from __future__ import annotations
@@ -66,11 +67,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bench_model(args.model, Path(tmp))
         dirs = make_lora_adapters(model_dir, Path(tmp) / "adapters", num=BATCH, rank=16)
+        dora_dirs = make_lora_adapters(model_dir, Path(tmp) / "dora", num=BATCH, rank=16, dora=True)
         config = EngineConfig(max_num_seqs=BATCH, max_loras=BATCH, max_cpu_loras=BATCH, max_lora_rank=16,
                               num_kv_blocks=BATCH * ((PROMPT_LEN + args.steps + 8) // 16 + 2))  # fmt: skip
-        engines = {name: LLMEngine(model_dir, config=config) for name in ("base", "one", "distinct")}
+        names = ("base", "one", "distinct", "dora")
+        engines = {name: LLMEngine(model_dir, config=config) for name in names}
         refs = [engines["one"].lora.local_ref(d) for d in dirs]
-        cases = {"base": [None] * BATCH, "one": [refs[0]] * BATCH, "distinct": refs}
+        dora_refs = [engines["dora"].lora.local_ref(d) for d in dora_dirs]
+        cases = {"base": [None] * BATCH, "one": [refs[0]] * BATCH, "distinct": refs, "dora": dora_refs}
         for name, engine in engines.items():
             start_decoding(engine, cases[name], args.steps)
         times = interleaved_step_seconds(engines, args.steps)
@@ -87,6 +91,7 @@ def main() -> None:
         "distinct_tok_s": round(tok_s["distinct"], 2),
         "one_over_base": round(tok_s["one"] / tok_s["base"], 3),
         "distinct_over_base": round(tok_s["distinct"] / tok_s["base"], 3),
+        "dora_tok_s": round(tok_s["dora"], 2), "dora_over_lora": round(tok_s["dora"] / tok_s["distinct"], 3),
         "bytes_per_step_base": base_bytes, "bytes_per_step_one": base_bytes + adapter_bytes // BATCH,
         "bytes_per_step_distinct": base_bytes + adapter_bytes,
     }  # fmt: skip

@@ -10,10 +10,11 @@ from adapters.testing import save_random_adapter
 from base_engine.model.config import load_model_config
 
 
-def make_lora_adapters(model_dir: Path, root: Path, *, num: int, rank: int) -> list[Path]:
+def make_lora_adapters(model_dir: Path, root: Path, *, num: int, rank: int, dora: bool = False) -> list[Path]:
     base = load_model_config(model_dir).base_shapes()
     return [
-        save_random_adapter(root / f"adapter{i}", base, rank=rank, alpha=2 * rank, seed=i) for i in range(num)
+        save_random_adapter(root / f"adapter{i}", base, rank=rank, alpha=2 * rank, seed=i, dora=dora)
+        for i in range(num)
     ]
 
 

@@ -129,6 +129,7 @@ def register_adapter(
                 max_rank=summary.max_rank,
                 ranks={str(k): int(v) for k, v in summary.ranks.items()},
                 modules=list(summary.modules),
+                coverage=None if summary.coverage is None else summary.coverage.as_json(),
             )
             session.add(row)
             session.commit()

@@ -138,6 +138,7 @@ class AdapterVersion(Base):
     max_rank: Mapped[int] = mapped_column(Integer)
     ranks: Mapped[dict[str, int]] = mapped_column(JSON)  # module name -> rank
     modules: Mapped[list[str]] = mapped_column(JSON)  # target module names, sorted
+    coverage: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # CoverageReport.as_json(); NULL: older
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column()
 

@@ -111,6 +111,7 @@ class AdapterVersionInfo:
     modules: tuple[str, ...]
     created_at: datetime
     deleted_at: datetime | None
+    coverage: dict[str, Any] | None = None  # adapters.types.CoverageReport.as_json(), as stored
 
     @property
     def ref_id(self) -> str:
@@ -141,6 +142,7 @@ class AdapterVersionInfo:
             max_rank=row.max_rank,
             ranks=dict(row.ranks),
             modules=tuple(row.modules),
+            coverage=row.coverage,
             created_at=row.created_at,
             deleted_at=row.deleted_at,
         )

@@ -49,9 +49,17 @@ def _first(ts: dict[str, torch.Tensor], value: float) -> dict[str, torch.Tensor]
     return ts
 
 
+def _magnitude(ts: dict[str, torch.Tensor], value: float | None) -> dict[str, torch.Tensor]:
+    """One DoRA magnitude set to `value`, or (None) cut one element short."""
+    name = next(k for k in sorted(ts) if k.endswith("lora_magnitude_vector"))
+    ts[name] = ts[name][:-1].clone() if value is None else ts[name].index_fill(0, torch.tensor([0]), value)
+    return ts
+
+
 def hostile_uploads(tmp: Path) -> list[tuple[str, str, dict[str, bytes] | None, dict[str, Any] | None]]:
     """(kind, adapter name, multipart files or None, raw httpx kwargs or None)."""
     good = files_of(peft_adapter(tmp / "good"))
+    dora = files_of(peft_adapter(tmp / "dora", use_dora=True))
     cfg = json.loads(good[CONFIG])
     nested = b"[" * 100_000 + b"]" * 100_000
     kinds: list[tuple[str, str, dict[str, bytes] | None, dict[str, Any] | None]] = [
@@ -63,7 +71,10 @@ def hostile_uploads(tmp: Path) -> list[tuple[str, str, dict[str, bytes] | None, 
         ("Inf weight", "h-inf", {**good, WEIGHTS: _edit(good, lambda t: _first(t, math.inf))}, None),
         ("huge weights (overflow)", "h-huge",
          {**good, WEIGHTS: _edit(good, lambda t: {k: v * 1e37 for k, v in t.items()})}, None),
-        ("DoRA", "h-dora", files_of(peft_adapter(tmp / "dora", use_dora=True)), None),
+        ("DoRA NaN magnitude", "h-dora-nan",
+         {**dora, WEIGHTS: _edit(dora, lambda t: _magnitude(t, math.nan))}, None),
+        ("DoRA short magnitude", "h-dora-len",
+         {**dora, WEIGHTS: _edit(dora, lambda t: _magnitude(t, None))}, None),
         ("missing config", "h-nocfg", {WEIGHTS: good[WEIGHTS]}, None),
         ("missing weights", "h-now", {CONFIG: good[CONFIG]}, None),
         ("truncated weights", "h-trunc", {**good, WEIGHTS: good[WEIGHTS][: len(good[WEIGHTS]) // 2]}, None),

@@ -1,4 +1,5 @@
-"""`loraserve` command line: serve, db upgrade, tenant create, adapter push; and over HTTP against a
+"""`loraserve` command line: serve, db upgrade, tenant create, adapter push, adapter convert (pickle
+weights to safetensors, locally: api/cli/convert.py); and over HTTP against a
 running server (api/cli/remote.py): tenant list|delete, key create|list|revoke, adapter list|delete,
 adapter push --url.
 
@@ -135,6 +136,23 @@ def adapter_push(
             raise typer.Exit(1) from None
     modules = ",".join(info.modules)
     typer.echo(f"{info.name}@{info.version} sha256={info.sha256} rank={info.max_rank} modules={modules}")
+
+
+@adapter_app.command("convert")
+def adapter_convert(
+    directory: Annotated[Path, typer.Argument(help="PEFT adapter directory", exists=True, file_okay=False)],
+    force: Annotated[bool, typer.Option(help="replace an existing adapter_model.safetensors")] = False,
+) -> None:
+    """Convert DIRECTORY's pickle weights (adapter_model.bin) to adapter_model.safetensors, here: read with
+    torch.load(weights_only=True), which runs no code from the pickle. The server never reads .bin."""
+    from api.cli.convert import convert_pickle_weights
+
+    try:
+        target = convert_pickle_weights(directory, overwrite=force)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"wrote {target}; upload the directory with `loraserve adapter push`")
 
 
 remote_cli.register(tenant_app, key_app, adapter_app)

@@ -27,6 +27,7 @@ from fastapi import Request
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
+from adapters.files import PICKLE_ADVICE
 from adapters.limits import max_adapter_weights_bytes
 from adapters.types import BaseModelShapes
 from api.errors import APIError
@@ -128,11 +129,7 @@ class _AdapterForm:
             )
         fname = filename.decode("utf-8", "replace")
         if fname.endswith(".bin"):
-            raise _bad(
-                f"file {fname!r} refused: pickle weights are never read; upload {WEIGHTS_FILE} "
-                "(PEFT save_pretrained with safe_serialization=True)",
-                param=FILES_FIELD,
-            )
+            raise _bad(f"file {fname!r} refused: {PICKLE_ADVICE}", param=FILES_FIELD)
         if fname not in _ALLOWED:
             raise _bad(f"unexpected file {fname!r}; expected exactly {_ALLOWED}", param=FILES_FIELD)
         if fname in self.files:

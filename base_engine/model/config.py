@@ -153,6 +153,16 @@ class ModelConfig:
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             vocab_size=self.vocab_size,
+            bias_modules=tuple(
+                m
+                for flag, modules in (
+                    (self.attention_bias, ("q_proj", "k_proj", "v_proj")),
+                    (self.o_proj_bias, ("o_proj",)),
+                    (self.mlp_bias, ("gate_proj", "up_proj", "down_proj")),
+                )
+                if flag
+                for m in modules
+            ),
         )
 
 

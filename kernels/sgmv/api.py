@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kernels.sgmv import torch_ops
+from kernels.sgmv import torch_loop, torch_ops
 from kernels.sgmv.checks import (
     LoraLayout,
     SlotParams,
@@ -23,6 +23,7 @@ from kernels.sgmv.checks import (
     check_lora_b_alone,
     check_matrix,
     check_meta,
+    check_out_vectors,
     check_tensors,
     slot_params,
 )
@@ -106,9 +107,11 @@ def add_lora(
     scales: Tensor,
     ranks: Tensor | None = None,
     meta: SgmvMeta | None = None,
+    out_scale: Tensor | None = None,
+    out_shift: Tensor | None = None,
     backend: Backend = "auto",
 ) -> None:
-    """Add every row's own LoRA delta to y, in place.
+    """Add every row's own LoRA delta to y, in place (then, with out_scale, rescale the row: DoRA).
 
     Semantics:
         add_lora(y, x, lora_a, lora_b, token_slots, *, scales, ranks=None, meta=None, backend="auto") -> None
@@ -123,8 +126,14 @@ def add_lora(
                        padding compute
           for each row t with a = token_slots[t] >= 0 and each slice s (output columns off_s : off_s + H_out_s):
               y[t, off_s:off_s+H_out_s] += scale(s,a) * (x[t] @ lora_a[s][a, :r(s,a)].T) @ lora_b[s][a, :, :r(s,a)].T
+          out_scale:   [N, sum(H_out_s)] float32 or None; out_shift: the same or None (only with out_scale)
+          with out_scale, after the delta, each row t with a = token_slots[t] >= 0 (all slices' columns):
+              y[t] = out_scale[a] * y[t] + out_shift[a]     (in fp32 from y + delta, one rounding on Triton)
           rows with token_slots[t] == -1, and columns of y outside the slices, are left bit-identical
 
+    A slot whose out_scale row is 1 and out_shift row 0 (plain LoRA) gets exactly the plain result. DoRA
+    (Liu et al. 2024, arXiv:2402.09353) is m / ||W + s B A||_row as out_scale, (1 - out_scale) * bias as
+    out_shift (the bias is not rescaled), both precomputed per slot by the caller.
     x and y may be strided 2-D views (y a column slice of a fused output buffer); x, y and the weights
     share one dtype (fp16, bf16 or fp32) and device. Pass `meta=build_meta(token_slots, N)` built once per
     step: then nothing here reads device memory (ranks on the device are then clamped to R_max, not checked).
@@ -136,18 +145,21 @@ def add_lora(
     check_matrix("y", y, x.shape[0], sum(layout.out_sizes))
     check_tensors({"y": y}, x.device, x.dtype, "x")
     params = slot_params(scales, ranks, layout, x.device, may_sync=meta is None)
+    check_out_vectors(out_scale, out_shift, layout.num_slots, sum(layout.out_sizes), x.device)
     meta = _meta_for(meta, token_slots, x.shape[0], layout.num_slots, x.device)
     if meta.num_active_rows == 0:
         return
     if _resolve_backend(backend, x) == "torch":
         torch_ops.add_lora_torch(y, x, lora_a, lora_b, meta, params, layout)
+        if out_scale is not None:
+            torch_loop.rescale_rows(y, meta, out_scale, out_shift)
         return
     if meta.invariant:
         raise ValueError("meta.invariant: the Triton kernels split their reductions; use the torch backend")
     from kernels.sgmv import triton_ops  # imported on first use: TRITON_INTERPRET is read at import
 
     v = triton_ops.shrink(x, lora_a, meta, params, layout)
-    triton_ops.expand(y, v, lora_b, meta, params, layout)
+    triton_ops.expand(y, v, lora_b, meta, params, layout, out_scale=out_scale, out_shift=out_shift)
 
 
 def sgmv_shrink(

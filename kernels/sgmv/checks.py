@@ -189,3 +189,22 @@ def _checked_ranks(ranks_2d: Tensor, given_dims: int, max_rank: int) -> tuple[tu
                 where = f"{s}, {slot}" if given_dims == 2 else f"{slot}"
                 raise ValueError(f"ranks[{where}] = {rank}: expected 0 <= rank <= R_max={max_rank}")
     return host
+
+
+def check_out_vectors(
+    out_scale: Tensor | None, out_shift: Tensor | None, num_slots: int, width: int, device: torch.device
+) -> None:
+    """out_scale (and out_shift, which needs out_scale): float32 [N, sum(H_out_s)] on `device`."""
+    if out_scale is None:
+        if out_shift is not None:
+            raise ValueError("out_shift was given without out_scale; expected both or out_scale alone")
+        return
+    for name, t in (("out_scale", out_scale), ("out_shift", out_shift)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor) or tuple(t.shape) != (num_slots, width):
+            raise ValueError(
+                f"{name} has shape {_shape(t)}, expected [N, sum(H_out)] = [{num_slots}, {width}]"
+            )
+        if t.dtype != torch.float32 or t.device != device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}, expected torch.float32 on {device}")

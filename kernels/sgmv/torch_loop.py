@@ -79,6 +79,17 @@ def add_rows(y: Tensor, rows: Tensor, delta: Tensor) -> None:
         y.index_copy_(0, rows, summed.to(y.dtype))
 
 
+def rescale_rows(y: Tensor, meta: SgmvMeta, out_scale: Tensor, out_shift: Tensor | None) -> None:
+    """y[t] = out_scale[a_t] * y[t] (+ out_shift[a_t]) for the rows with an adapter, in fp32, after the
+    delta (DoRA's per-slot output scale; plain-LoRA slots hold 1 and 0, so their rows keep their bits)."""
+    m = meta.num_active_rows  # a fixed-capacity meta pads sorted_rows beyond its active rows
+    rows, slots = meta.sorted_rows[:m], meta.sorted_slots[:m]
+    scaled = y.index_select(0, rows).float().mul_(out_scale.index_select(0, slots))  # [M, sum(H_out)]
+    if out_shift is not None:
+        scaled.add_(out_shift.index_select(0, slots))
+    y.index_copy_(0, rows, scaled.to(y.dtype))
+
+
 def shrink_segment(
     x: Tensor, lora_a: Sequence[Tensor], meta: SgmvMeta, seg: Segment, ranks: Ranks
 ) -> list[Tensor]:

@@ -11,7 +11,8 @@ Layout (Chen et al., "Punica", MLSys 2024; vLLM `lora_shrink`/`lora_expand`):
     blocks are >= 16 on every dot axis so the same code compiles for tensor cores;
   * a slot's rank (clamped to R_max) bounds the loops and masks: entries beyond it are never loaded.
 Shrink writes scale * x @ A^T into a zeroed fp32 [S, T, R_max] buffer (atomically when split-K);
-expand loads y, adds v @ B^T in fp32 and stores once, only at the segment's rows and the slice's columns.
+expand loads y, adds v @ B^T in fp32 (then, for DoRA, multiplies by the slot's per-column output scale
+and adds its shift) and stores once, only at the segment's rows and the slice's columns.
 """
 
 from __future__ import annotations
@@ -111,9 +112,10 @@ def _expand_kernel(
     v_ptr, stride_vs, stride_vt, stride_vr,
     rows_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
     ranks_ptr, stride_rs, stride_rn,
+    oscale_ptr, oshift_ptr, stride_on, stride_oh,
     slice_base, max_out, max_rank,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     local_s = tl.program_id(1)
@@ -126,7 +128,9 @@ def _expand_kernel(
     seg_len = tl.load(seg_lens_ptr + seg)
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rn), max_rank)
-    if pid_m * BLOCK_M >= seg_len or pid_n * BLOCK_N >= n_out or rank == 0:
+    if pid_m * BLOCK_M >= seg_len or pid_n * BLOCK_N >= n_out:
+        return
+    if rank == 0 and not HAS_SCALE:  # nothing to add; with an output scale the row is still rescaled
         return
     b_ptr = _pick3(local_s, b0_ptr, b1_ptr, b2_ptr)
     sn = _pick3_int(local_s, b0_sn, b1_sn, b2_sn)
@@ -155,7 +159,13 @@ def _expand_kernel(
     y_ptrs = y_ptr + rows[:, None] * stride_yt + (col_off + offs_n)[None, :] * stride_yh
     mask = m_mask[:, None] & n_mask[None, :]
     y_old = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=mask)
+    out = y_old.to(tl.float32) + acc
+    if HAS_SCALE:  # DoRA: the slot's per-column scale (and shift) after the delta, before the one rounding
+        o_ptrs = slot * stride_on + (col_off + offs_n) * stride_oh  # [BN]
+        out = out * tl.load(oscale_ptr + o_ptrs, mask=n_mask, other=1.0)[None, :]
+        if HAS_SHIFT:
+            out = out + tl.load(oshift_ptr + o_ptrs, mask=n_mask, other=0.0)[None, :]
+    tl.store(y_ptrs, out.to(y_old.dtype), mask=mask)
 
 
 def _pow2_clamp(n: int, lo: int, hi: int) -> int:
@@ -242,11 +252,26 @@ def shrink(
 
 
 def expand(
-    y: Tensor, v: Tensor, lora_b: Sequence[Tensor], meta: SgmvMeta, params: SlotParams, layout: LoraLayout
+    y: Tensor,
+    v: Tensor,
+    lora_b: Sequence[Tensor],
+    meta: SgmvMeta,
+    params: SlotParams,
+    layout: LoraLayout,
+    *,
+    out_scale: Tensor | None = None,
+    out_shift: Tensor | None = None,
 ) -> None:
-    """y[t, off_s:off_s+H_out_s] += v[s, t, :r] @ lora_b[s][a, :, :r].T for rows with a slot."""
+    """y[t, off_s:off_s+H_out_s] += v[s, t, :r] @ lora_b[s][a, :, :r].T for rows with a slot; with
+    out_scale [N, sum(H_out)] (and out_shift) then y[t] = out_scale[a] * y[t] + out_shift[a]."""
     if meta.num_segments == 0:
         return
+    # Absent vectors: y stands in for the pointers (never read: HAS_SCALE / HAS_SHIFT are False).
+    oscale = y if out_scale is None else out_scale
+    oshift = oscale if out_shift is None else out_shift
+    if out_shift is not None and out_shift.stride() != oscale.stride():
+        oshift = out_shift.contiguous()
+        oscale = oscale.contiguous()
     lora_b = _shared_inner_strides(lora_b, slice(1, 3))
     block_m = _pow2_clamp(meta.max_seg_len, 16, 64)
     block_k = _pow2_clamp(layout.max_rank, 16, 64)
@@ -262,7 +287,8 @@ def expand(
             y, *y.stride(), *_three(lora_b, chunk), *_three([w.stride(0) for w in lora_b], chunk),
             *lora_b[0].stride()[1:], *_three(layout.out_sizes, chunk), *_three(layout.out_offsets, chunk),
             v, *v.stride(), meta.sorted_rows, meta.seg_starts, meta.seg_lens, meta.seg_slots,
-            params.ranks, *params.ranks.stride(), chunk.start, max_out, layout.max_rank,
+            params.ranks, *params.ranks.stride(), oscale, oshift, *oscale.stride(),
+            chunk.start, max_out, layout.max_rank,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(y.dtype),
-            UPCAST=_upcast(y),
+            UPCAST=_upcast(y), HAS_SCALE=out_scale is not None, HAS_SHIFT=out_shift is not None,
         )  # fmt: skip

@@ -26,6 +26,8 @@ def make_adapter(model_dir: Path, out: Path, *, seed: int, zero_b: bool = False,
             for name, param in model.named_parameters():
                 if "lora_B" in name or "lora_A" in name:
                     param.mul_(4.0)
+                elif "lora_magnitude_vector" in name:  # DoRA: m = ||W + s B A|| at init; move it off 1
+                    param.mul_(0.5 + torch.rand_like(param))
     model.save_pretrained(out)
     return out
 

@@ -69,7 +69,10 @@ def test_pickle_only_is_never_loaded(tmp_path: Path) -> None:
         model = get_peft_model(tiny_model(), LoraConfig(target_modules=["q_proj"], init_lora_weights=False))
         model.save_pretrained(str(tmp_path / "a"), safe_serialization=False)
     assert (tmp_path / "a" / "adapter_model.bin").exists()
-    with pytest.raises(AdapterFormatError, match="pickle files are never loaded"):
+    with pytest.raises(
+        AdapterFormatError,
+        match=r"pickle weights are never read; convert them locally with `loraserve adapter convert DIR`",
+    ):
         validate_adapter(tmp_path / "a", base=tiny_shapes(), **LIMITS)
 
 

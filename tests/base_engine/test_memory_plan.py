@@ -21,9 +21,10 @@ LLAMA3_8B = BaseModelShapes(
 
 def test_configured_slots_fit_or_start_up_refuses_with_figures() -> None:
     engine = EngineConfig(max_loras=4, max_lora_rank=64, lora_memory_fraction=0.1)
-    per_slot = SlotPool.bytes_per_slot(LLAMA3_8B, 64, torch.bfloat16)
+    per_slot = SlotPool.bytes_per_slot(LLAMA3_8B, 64, torch.bfloat16)  # bf16 factors + fp32 DoRA scales
+    assert per_slot == 32 * (81920 * 64 * 2 + 43008 * 4)
     assert slot_bytes(LLAMA3_8B, engine, dtype=torch.bfloat16, free_bytes=40 * GIB) == 4 * per_slot
-    with pytest.raises(ValueError, match=r"max_loras=4 .* need 1\.25 GiB .* allows 1\.00 GiB \(3 slots\)"):
+    with pytest.raises(ValueError, match=r"max_loras=4 .* need 1\.27 GiB .* allows 1\.00 GiB \(3 slots\)"):
         slot_bytes(LLAMA3_8B, engine, dtype=torch.bfloat16, free_bytes=10 * GIB)
 
 

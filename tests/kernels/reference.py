@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.sgmv.layout import alloc_stacks
+
 POPULARITIES = ("identical", "distinct", "uniform", "skewed", "zipf", "some_none", "all_none")
 # relative and absolute tolerance per dtype (the issue's bounds)
 TOLERANCES = {torch.float32: 5e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -164,10 +166,32 @@ def reference_delta_by_slot(case: Case) -> Tensor:
     return delta
 
 
-def expected_output(case: Case, *, by_slot: bool = False) -> Tensor:
-    """float64 value y must hold after the call."""
+def expected_output(
+    case: Case, *, by_slot: bool = False, out_scale: Tensor | None = None, out_shift: Tensor | None = None
+) -> Tensor:
+    """float64 value y must hold after the call; with out_scale (DoRA) each row with an adapter is
+    then out_scale[a] * (y + delta) + out_shift[a], per output column."""
     delta = reference_delta_by_slot(case) if by_slot else reference_delta(case)
-    return case.y.double() + delta
+    out = case.y.double() + delta
+    if out_scale is not None:
+        for t, a in enumerate(case.token_slots.tolist()):
+            if a >= 0:
+                out[t] = out[t] * out_scale[a].double()
+                if out_shift is not None:
+                    out[t] += out_shift[a].double()
+    return out
+
+
+def make_out_vectors(case: Case, *, seed: int, with_shift: bool) -> tuple[Tensor, Tensor | None]:
+    """DoRA-like fp32 [N, sum(H_out)] vectors: odd slots rescaled (0.5-1.5) and shifted, even slots
+    plain LoRA (exactly 1 and 0: their rows must equal a call without vectors)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, width = case.lora_a[0].shape[0], case.y.shape[1]
+    scale = torch.rand(n, width, generator=gen) + 0.5
+    shift = torch.randn(n, width, generator=gen) * 0.1
+    scale[0::2], shift[0::2] = 1.0, 0.0
+    device = case.y.device
+    return scale.to(device), shift.to(device) if with_shift else None
 
 
 def changeable(case: Case) -> Tensor:
@@ -249,3 +273,14 @@ def check_rank_zero(backend: str) -> None:
     expected, before = expected_output(case), case.buf.clone()
     run_add_lora(case, backend)
     assert_matches(case, expected, before, torch.float32)
+
+
+def to_cpu_layout(case: Case) -> Case:
+    """The same weights (NaN included) copied into the engine's CPU slot-pool layout."""
+    n, r, h_in = case.lora_a[0].shape
+    outs = tuple(b.shape[1] for b in case.lora_b)
+    lora_a, lora_b = alloc_stacks(n, r, h_in, outs, dtype=case.lora_a[0].dtype, device=torch.device("cpu"))
+    for dst, src in zip((*lora_a, *lora_b), (*case.lora_a, *case.lora_b), strict=True):
+        dst.copy_(src)
+    case.lora_a, case.lora_b = lora_a, lora_b
+    return case

@@ -20,6 +20,7 @@ from tests.kernels.reference import (
     expected_output,
     make_case,
     run_add_lora,
+    to_cpu_layout,
 )
 
 CPU = torch.device("cpu")
@@ -28,17 +29,6 @@ CPU = torch.device("cpu")
 def cpu_case(**kwargs: object) -> Case:
     """make_case (fp32 unless given) moved into the CPU layout."""
     return to_cpu_layout(make_case(**{"dtype": torch.float32, **kwargs}))
-
-
-def to_cpu_layout(case: Case) -> Case:
-    """The same weights (NaN included) copied into the engine's CPU slot-pool layout."""
-    n, r, h_in = case.lora_a[0].shape
-    outs = tuple(b.shape[1] for b in case.lora_b)
-    lora_a, lora_b = alloc_stacks(n, r, h_in, outs, dtype=case.lora_a[0].dtype, device=CPU)
-    for dst, src in zip((*lora_a, *lora_b), (*case.lora_a, *case.lora_b), strict=True):
-        dst.copy_(src)
-    case.lora_a, case.lora_b = lora_a, lora_b
-    return case
 
 
 def repoison(case: Case) -> Case:

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.harness.peft_adapters import edit_tensors
 from tests.harness.servers import MAX_LORA_RANK, MAX_UPLOAD_BYTES, Server, bearer
@@ -113,7 +114,8 @@ def _nan(tensors: dict) -> dict:
 def _refusals(tmp: Path, good: Path) -> Iterator[tuple[str, str, dict[str, bytes], int, str]]:
     """(case, adapter name, files, status, text the error must contain)."""
     files = files_of(good)
-    yield "pickle", "p", {CONFIG: files[CONFIG], "adapter_model.bin": b"\x80\x04pickle"}, 400, "pickle"
+    pickle = {CONFIG: files[CONFIG], "adapter_model.bin": b"\x80\x04pickle"}
+    yield "pickle", "p", pickle, 400, "never read; convert them locally with `loraserve adapter convert DIR`"
     wrong = files_of(peft_adapter_on(tmp / "wide", hidden_size=96))
     yield "hidden size", "h", wrong, 400, "shape"
     big_rank = files_of(peft_adapter(tmp / "rank", r=MAX_LORA_RANK * 2, target_modules=["q_proj"]))
@@ -121,8 +123,20 @@ def _refusals(tmp: Path, good: Path) -> Iterator[tuple[str, str, dict[str, bytes
     nan_dir = Path(shutil.copytree(good, tmp / "nan"))
     edit_tensors(nan_dir, _nan)
     yield "nan", "n", files_of(nan_dir), 400, "finite"
-    dora = files_of(peft_adapter(tmp / "dora", use_dora=True))
-    yield "dora", "d", dora, 400, "use_dora"
+    dora = peft_adapter(tmp / "dora", use_dora=True)
+    magnitude = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+    for case, edit, needle in (
+        ("dora inf magnitude",
+         lambda t: {**t, magnitude: t[magnitude].index_fill(0, torch.tensor([3]), math.inf)},
+         f"{magnitude} has non-finite values (expected shape (64,))"),
+        ("dora short magnitude", lambda t: {**t, magnitude: t[magnitude][:63].clone()},
+         f"{magnitude} has shape (63,), expected (64,)"),
+    ):  # fmt: skip
+        bad = Path(shutil.copytree(dora, tmp / case.replace(" ", "_")))
+        edit_tensors(bad, edit)
+        yield case, "d", files_of(bad), 400, needle
+    untrained = {**files, WEIGHTS: _scaled_b(files[WEIGHTS], 0.0)}
+    yield "untrained", "u", untrained, 400, "the adapter changes nothing"
     yield "missing config", "c", {WEIGHTS: files[WEIGHTS]}, 400, CONFIG
     truncated = {CONFIG: files[CONFIG], WEIGHTS: files[WEIGHTS][: len(files[WEIGHTS]) // 2]}
     yield "truncated", "t", truncated, 400, "safetensors"
@@ -148,6 +162,58 @@ def test_refused_uploads_store_nothing(
     assert server.store_keys() == before
     listing = httpx.get(f"{server.base_url}/v1/adapters", headers=bearer(key)).json()["data"]
     assert not {a["name"] for a in listing} & {"p", "h", "r", "n", "d", "c", "t", "o"}
+
+
+def test_upload_reports_coverage(server: Server, key: str, good_dir: Path, tiny_llama_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    r = upload(server, key, "cov", files_of(good_dir))
+    assert r.status_code == 201, r.text
+    coverage = r.json()["coverage"]
+    assert (
+        coverage["kinds"] == ["lora"]
+        and coverage["warning"] is None
+        and list(coverage["layers"]) == ["0", "1"]
+    )
+    base = load_file(str(next(tiny_llama_dir.glob("*.safetensors"))))
+    factors = load_file(str(good_dir / WEIGHTS))
+    for layer, modules in coverage["layers"].items():
+        assert list(modules) == ["q_proj", "v_proj", "down_proj"]
+        for module, entry in modules.items():
+            name = f"model.layers.{layer}.{'mlp' if module == 'down_proj' else 'self_attn'}.{module}"
+            a, b = (factors[f"base_model.model.{name}.lora_{w}.weight"].double() for w in "AB")
+            fro = float(torch.linalg.norm(2.0 * b @ a))  # scale = lora_alpha / r = 8 / 4
+            assert (entry["kind"], entry["rank"], entry["scale"]) == ("lora", 4, 2.0)
+            assert entry["delta_fro"] == pytest.approx(fro, rel=1e-6)
+            relative = fro / float(torch.linalg.norm(base[f"{name}.weight"].double()))
+            assert entry["relative_delta"] == pytest.approx(relative, rel=1e-6)
+    detail = httpx.get(f"{server.base_url}/v1/adapters/cov", headers=bearer(key)).json()
+    assert detail["versions"][-1]["coverage"] == coverage
+    tiny = {**files_of(good_dir), WEIGHTS: _scaled_b(files_of(good_dir)[WEIGHTS], 1e-8)}
+    r = upload(server, key, "cov", tiny)
+    assert r.status_code == 201 and r.json()["coverage"]["warning"].startswith("negligible change")
+
+
+def _scaled_b(weights: bytes, factor: float) -> bytes:
+    from safetensors.torch import load, save
+
+    return save({k: v * factor if "lora_B" in k else v for k, v in load(weights).items()})
+
+
+def test_dora_upload_is_served(server: Server, tmp_path: Path) -> None:
+    _, key = server.tenant("dora")
+    dora = peft_adapter(tmp_path / "dora", use_dora=True, target_modules=["q_proj", "v_proj", "gate_proj"])
+    edit_tensors(dora, lambda t: {k: v * (3.0 if "magnitude" in k else 4.0) for k, v in t.items()})
+    assert upload(server, key, "dora", files_of(dora)).status_code == 201
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+
+    def greedy(model: str) -> list[float]:
+        choice = client.completions.create(
+            model=model, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=1
+        ).choices[0]
+        return choice.logprobs.token_logprobs
+
+    assert greedy("dora") != greedy("tiny-llama")  # applied, never the base model
 
 
 def test_oversize_body_without_content_length_is_cut_off(server: Server, key: str) -> None:

@@ -1,0 +1,57 @@
+"""What an adapter changes on the served model, computed once at upload (off the request path) and stored
+with the version: per (layer, module) rank, scale, kind and the relative size of the delta
+`||s B A||_F / ||W||_F`. `||B A||_F^2 = sum((B^T B) * (A A^T))` in float64 (two r x r Gram matrices, no
+[out, in] product). An adapter that changes nothing is refused by name: every delta exactly zero (PEFT's
+default init saves lora_B = 0) and no DoRA module (a DoRA magnitude can rescale even with zero factors).
+No module matched and every target in an excluded layer are refused earlier (peft_targets.py). A delta
+below `NEGLIGIBLE` relative everywhere is accepted with a warning."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from adapters.format import LoraAdapter
+from adapters.types import LORA_MODULES, AdapterValidationError, CoverageReport, ModuleCoverage
+
+NEGLIGIBLE = 1e-6  # relative delta below which an adapter is accepted with a warning
+
+
+def delta_fro(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
+    """||scale * b @ a||_F in float64, from the r x r Gram matrices of a [r, in] and b [out, r]."""
+    a64, b64 = a.double(), b.double()
+    squared = float(((b64.T @ b64) * (a64 @ a64.T)).sum())
+    return abs(scale) * math.sqrt(max(squared, 0.0))
+
+
+def coverage_report(
+    adapter: LoraAdapter, weight_norms: Mapping[tuple[int, str], float] | None = None
+) -> CoverageReport:
+    """The report of a parsed adapter; `weight_norms[(layer, module)] = ||W||_F` of the served model.
+
+    Raises AdapterValidationError when the adapter changes nothing (see the module docstring)."""
+    order = {m: i for i, m in enumerate(LORA_MODULES)}
+    modules = []
+    for (layer, module), pair in sorted(adapter.weights.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+        fro = delta_fro(pair.a, pair.b, pair.scale)
+        norm = None if weight_norms is None else weight_norms.get((layer, module))
+        relative = None if not norm else fro / norm
+        kind = "dora" if pair.magnitude is not None or pair.out_scale is not None else "lora"
+        modules.append(ModuleCoverage(layer, module, kind, int(pair.a.shape[0]), pair.scale, fro, relative))
+    kinds = tuple(k for k in ("lora", "dora") if any(m.kind == k for m in modules))
+    if all(m.delta_fro == 0.0 for m in modules) and "dora" not in kinds:
+        raise AdapterValidationError(
+            f"the adapter changes nothing: scale * lora_B @ lora_A is zero in all {len(modules)} targeted "
+            "modules (an untrained adapter: PEFT initialises lora_B to zeros)"
+        )
+    warning = None
+    relatives = [m.relative_delta for m in modules]
+    if relatives and all(r is not None and r < NEGLIGIBLE for r in relatives):
+        largest = max(r for r in relatives if r is not None)
+        warning = (
+            f"negligible change: the largest relative delta ||s B A||_F / ||W||_F is {largest:.3g}, below "
+            f"{NEGLIGIBLE:g} in every module"
+        )
+    return CoverageReport(tuple(modules), kinds, warning)
