@@ -5,8 +5,8 @@ One JSON object per row, computed at upload (adapters/coverage.py): per layer an
 the change is negligible everywhere. Nullable with no default: versions registered before this revision
 stay valid (NULL = not computed). SQLite adds the column in place; dropping it goes through a batch copy.
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-12-02
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0006"
-down_revision: str | None = "0005"
+revision: str = "0007"
+down_revision: str | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
