@@ -2,7 +2,8 @@
 
 Safetensors only (pickle is never read); the weights' size is checked before any byte is read; the
 header is checked before torch sees the data; every tensor's shape is checked against the base
-projection, every rank against `max_lora_rank`, every value for finiteness in the serving dtype.
+projection, every rank against `max_lora_rank`, every value for finiteness in the serving dtype, and
+the deltas' composed bound through each layer (adapters/composition.py).
 The returned `AdapterSummary` carries the sha256 of the exact bytes that were parsed.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from adapters.composition import check_composition
 from adapters.coverage import coverage_report
 from adapters.files import read_adapter_files
 from adapters.format import parse_adapter
@@ -49,6 +51,7 @@ def validate_adapter(
     files = read_adapter_files(Path(adapter_dir), max_size_bytes=max_size_bytes, mapped=True)
     try:
         adapter = parse_adapter(files, base=base, dtype=dtype, max_lora_rank=max_lora_rank)
+        check_composition(adapter.weights, base, dtype)
         summary = AdapterSummary(
             ranks=dict(adapter.rank_by_module),
             modules=adapter.modules,

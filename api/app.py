@@ -13,19 +13,24 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
+from fastapi.dependencies.models import Dependant
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.routing import BaseRoute
 
 from api.admin.console import install_console
 from api.bootstrap import build_console
+from api.deps import get_caller, precheck_admin, precheck_caller, require_admin
 from api.errors import install_error_handlers
 from api.http.body_limit import BodyLimit
+from api.http.key_guard import GuardedRoute, KeyGuard
 from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage
 from api.server import run
 from api.state import AppState
@@ -67,11 +72,38 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
         BodyLimit, max_bytes=settings.max_request_body_bytes, timeout_s=settings.request_body_timeout_s
     )
     routers = (openai.router, tokenize.router, adapters.router, admin.router, health.router, usage.router)
-    for router in (*routers, adapter_import.router, *extra_routers):
+    routers = (*routers, adapter_import.router, *extra_routers)
+    for router in routers:
         app.include_router(router)
+    # Outside BodyLimit: a body sent with a key its route refuses is never read, let alone parsed.
+    app.add_middleware(KeyGuard, routes=guarded_routes(r for router in routers for r in router.routes))
     install_console(app, build_console(state))  # the admin web console under /admin (its README.md)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def guarded_routes(routes: Iterable[BaseRoute]) -> list[GuardedRoute]:
+    """The routes that take a body and a key, each with the check of its key that needs no body
+    (the routers' own routes: they carry their prefix, and are included without another)."""
+    prechecks = {get_caller: precheck_caller, require_admin: precheck_admin}
+    guarded = []
+    for route in routes:
+        if not isinstance(route, APIRoute) or route.body_field is None:
+            continue
+        calls = _dependency_calls(route.dependant)
+        check = next((pre for dep, pre in prechecks.items() if dep in calls), None)
+        if check is not None:
+            guarded.append(GuardedRoute(route.path_regex, frozenset(route.methods), check))
+    return guarded
+
+
+def _dependency_calls(dependant: Dependant) -> set[Any]:
+    calls, stack = set(), [dependant]
+    while stack:
+        node = stack.pop()
+        calls.add(node.call)
+        stack.extend(node.dependencies)
+    return calls
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -58,18 +58,32 @@ def bearer_token(request: Request) -> str:
     return token.strip()
 
 
+def _invalid_key(cause: str) -> APIError:
+    return APIError(
+        401,
+        f"Incorrect API key provided: {cause}",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
 def get_caller(request: Request, session: SessionDep) -> Caller:
     token = bearer_token(request)
     try:
         tenant = authenticate(session, api_key=token)
         return Caller(tenant=tenant, key_prefix=key_prefix(token))
     except AuthError as exc:
-        raise APIError(
-            401,
-            f"Incorrect API key provided: {exc}",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        ) from None
+        raise _invalid_key(str(exc)) from None
+
+
+async def precheck_caller(request: Request) -> None:
+    """`get_caller`'s refusals that need no body, before it is read (api/http/key_guard.py): a missing,
+    malformed or never-issued key (api/tenancy/key_precheck.py); the route then authenticates fully."""
+    token = bearer_token(request)
+    state: AppState = request.app.state.loraserve
+    cause = await state.key_precheck.refusal(token)
+    if cause is not None:
+        raise _invalid_key(cause)
 
 
 TenantDep = Annotated[Caller, Depends(get_caller)]
@@ -88,3 +102,8 @@ def require_admin(request: Request, state: StateDep) -> str:
 
 
 AdminDep = Annotated[str, Depends(require_admin)]
+
+
+async def precheck_admin(request: Request) -> None:
+    """`require_admin` before the body is read (a constant-time comparison: nothing to wait for)."""
+    require_admin(request, request.app.state.loraserve)

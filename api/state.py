@@ -34,6 +34,7 @@ from api.metrics.prometheus import Metrics
 from api.metrics.sampler import MetricsSampler
 from api.settings import Settings
 from api.tenancy.admission import Admission
+from api.tenancy.key_precheck import KeyPrecheck
 from api.tenancy.keyfiles import tenant_cache_salt
 from api.tenant_adapters.registrar import Registrar
 from api.tenant_adapters.upload_gate import TenantUploadGate
@@ -74,6 +75,7 @@ class AppState:
     registrar: Registrar = field(init=False)  # what adapter uploads and imports work with
     replica: ThisReplica = field(init=False)  # this process as the fleet (and GET /admin/api/fleet) sees it
     fleet_sync: FleetSync = field(init=False)  # how admin actions here reach the other replicas
+    key_precheck: KeyPrecheck = field(init=False)  # forged keys refused before their body is read
 
     def __post_init__(self) -> None:
         self.pools = BlockingPools(max_uploads=self.settings.max_concurrent_uploads)
@@ -110,6 +112,9 @@ class AppState:
             disk=self.disk,
         )
         self.fleet_sync = FleetSync(is_fleet=self.settings.fleet)
+        self.key_precheck = KeyPrecheck(
+            sessions=self.sessions, pool=self.pools.keys, timeout_s=self.settings.db_timeout_s
+        )
 
     def _ping_database(self) -> None:
         with self.sessions() as session:

@@ -22,7 +22,7 @@ from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
 from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
-from base_engine.outputs import EngineStats, RequestOutput
+from base_engine.outputs import NON_FINITE, EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
 from base_engine.runner.cuda_graphs import DecodeGraphs
 from base_engine.runner.device import check_device, resolve_dtype
@@ -285,6 +285,7 @@ class LLMEngine:
             f"numerical error: the model produced non-finite values (NaN/Inf) for this request{cause}; "
             f"its output would be meaningless"
         )
+        seq.error_kind = NON_FINITE
         logger.warning("request %s failed: non-finite hidden states or logits%s", seq.request_id, cause)
         return self._finish(seq, SequenceStatus.FINISHED_ERROR)
 

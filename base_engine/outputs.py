@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# `RequestOutput.error_kind` of a request whose own values left the serving dtype's range (NaN/Inf in
+# its hidden states or logits): caused by what it ran (its adapter), not by the engine.
+NON_FINITE = "non_finite"
+
 
 @dataclass(slots=True)
 class RequestMetrics:
@@ -27,6 +31,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per generated token, when asked
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    error_kind: str | None = None  # NON_FINITE: the request's own values overflowed; None: other causes
     metrics: RequestMetrics | None = None  # set when finished
 
     @property

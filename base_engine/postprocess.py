@@ -64,5 +64,6 @@ def finish_output(seq: Sequence, detok: Detokenizer) -> RequestOutput:
         logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
         num_cached_tokens=seq.num_cached_tokens,
         error=seq.error,
+        error_kind=seq.error_kind,
         metrics=metrics,
     )

@@ -67,6 +67,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this sequence's full blocks
     generator: torch.Generator | None = None
     error: str | None = None
+    error_kind: str | None = None  # RequestOutput.error_kind
     times: SequenceTimes = field(default_factory=SequenceTimes)
     adapter_slot: int = -1  # device slot of its adapter while running (-1 = base model)
     deterministic: bool = False  # runs only in batch-invariant steps (base_engine/invariant.py)

@@ -89,6 +89,25 @@ def list_keys(session: Session, *, tenant_id: str, include_revoked: bool = True)
 def authenticate(session: Session, *, api_key: str) -> TenantInfo:
     """The active tenant owning `api_key`; AuthError for a malformed, unknown or revoked key or a
     suspended/deleted tenant. Use `key_prefix(api_key)` for the key's id in usage records."""
+    key, tenant = _issued(session, api_key)
+    prefix = key.prefix
+    if key.revoked_at is not None or tenant.status == TenantStatus.DELETED.value:
+        raise AuthError(f"API key {KEY_SCHEME}-{prefix}-... has been revoked")
+    if tenant.status != TenantStatus.ACTIVE.value:
+        raise AuthError(f"tenant {tenant.name!r} is {tenant.status}")
+    return TenantInfo.from_row(tenant)
+
+
+@transactional
+def check_issued(session: Session, *, api_key: str) -> None:
+    """AuthError (the message `authenticate` gives) unless this registry issued `api_key`, revoked or
+    not, whatever its tenant's status: what tells a forged key from a real one. A key that fails it
+    never passes it later (its secret was never drawn here), so the answer may be remembered."""
+    _issued(session, api_key)
+
+
+def _issued(session: Session, api_key: str) -> tuple[ApiKey, Tenant]:
+    """The key's row and its tenant's, when the key is well formed and its digest matches."""
     prefix = key_prefix(api_key)
     found = session.execute(
         select(ApiKey, Tenant).join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.prefix == prefix)
@@ -99,8 +118,4 @@ def authenticate(session: Session, *, api_key: str) -> TenantInfo:
     key, tenant = found.tuple()
     if not hmac.compare_digest(_digest(bytes.fromhex(key.salt), api_key), key.key_hash):
         raise AuthError(f"invalid API key {KEY_SCHEME}-{prefix}-...")
-    if key.revoked_at is not None or tenant.status == TenantStatus.DELETED.value:
-        raise AuthError(f"API key {KEY_SCHEME}-{prefix}-... has been revoked")
-    if tenant.status != TenantStatus.ACTIVE.value:
-        raise AuthError(f"tenant {tenant.name!r} is {tenant.status}")
-    return TenantInfo.from_row(tenant)
+    return key, tenant

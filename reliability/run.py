@@ -2,16 +2,16 @@
 clients, one JSON line per case on stdout and a figures table in RELIABILITY.md.
 
 Cases: abort storm, hostile uploads (both backends), mixed load, kill -9 mid-load + restart,
-dependency outages (PostgreSQL restart, S3 stop and hang), schemathesis over /openapi.json,
-fairness between tenants (long streams, a lone tenant, fan-out, stop bounds), and on one server with
-the shipped defaults (infra): import across tenants, trickling uploads, hung store, hung postgres.
-Each case is
+dependency outages (PostgreSQL restart, S3 stop and hang), schemathesis over /openapi.json, subnormal
+and overflowing adapters, forged keys with large bodies, fairness between tenants (long streams, a lone
+tenant, fan-out, stop bounds), and on one server with the shipped defaults (infra): import across
+tenants, trickling uploads, hung store, hung postgres. Each case is
 bounded by timeouts; a case that fails to run prints a row with its error instead of figures. Run with
 `make reliability`; `--cases schemathesis,outages` re-runs only those cases and keeps the other rows of
 RELIABILITY.md.
 
 This file runs the cases in order; each case lives in a module of its own next to it (common, load,
-hostile, faults, fuzz, fairness, infra) and report writes RELIABILITY.md.
+hostile, faults, fuzz, numeric, forged_keys, fairness, infra) and report writes RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from base_engine.testing.checkpoint import save_random_checkpoint  # noqa: E402
 from reliability.common import ROWS, SERVER_ENV, run_case  # noqa: E402
 from reliability.fairness import FAIRNESS_CASES, fairness_server  # noqa: E402
 from reliability.faults import case_kill9, case_outages  # noqa: E402
+from reliability.forged_keys import case_forged_key_bodies  # noqa: E402
 from reliability.fuzz import case_schemathesis  # noqa: E402
 from reliability.hostile import case_hostile_uploads  # noqa: E402
 from reliability.infra import (  # noqa: E402
@@ -44,6 +45,7 @@ from reliability.infra import (  # noqa: E402
     start_infra_server,
 )
 from reliability.load import case_abort_storm, case_load  # noqa: E402
+from reliability.numeric import case_overflowing_adapters, case_subnormal_adapters  # noqa: E402
 from reliability.report import write_report  # noqa: E402
 from tests.harness.postgres import NoPostgres, new_database, postgres_cluster  # noqa: E402
 from tests.harness.s3 import s3_backend  # noqa: E402
@@ -51,10 +53,12 @@ from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, main_server_
 
 CASES = (
     "abort storm", "hostile uploads", "mixed load", "kill -9 + restart", "outages", "schemathesis",
+    "subnormal adapters", "overflowing adapters", "forged-key bodies",
     *FAIRNESS_CASES,
     "import across tenants", "trickling uploads", "hung store", "hung postgres",
 )  # fmt: skip
 INFRA_CASES = ("import across tenants", "trickling uploads", "hung store", "hung postgres")  # in this order
+ON_SQLITE = {"abort storm", "hostile uploads", "mixed load", "subnormal adapters", "forged-key bodies"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_cases(selected: list[str], stack: ExitStack, tmp: Path) -> None:
     """The selected cases in a fixed order, on servers shared where a case leaves them usable; what they
     start is stopped by `stack`."""
-    for name in ("storm", "hostile-l", "hostile-s", "load", "storm-s", "kill9", "outage", "fair", "infra"):
+    names = ("storm", "hostile-l", "hostile-s", "load", "storm-s", "kill9", "outage", "subnormal", "overflow")
+    for name in (*names, "fair", "infra"):
         (tmp / name).mkdir()
     model = save_random_checkpoint(tmp / "model", arch="llama")
     s3_server = pg_url = ""
@@ -93,9 +98,7 @@ def _run_cases(selected: list[str], stack: ExitStack, tmp: Path) -> None:
     def want(case: str) -> bool:
         return case in selected
 
-    sqlite = (
-        server("sqlite-local") if {"abort storm", "hostile uploads", "mixed load"} & set(selected) else None
-    )
+    sqlite = server("sqlite-local") if ON_SQLITE & set(selected) else None
     pgs3 = server("postgres-s3") if {"abort storm", "hostile uploads"} & set(selected) else None
     if want("abort storm"):
         run_case("abort storm", "sqlite-local", lambda: case_abort_storm(sqlite, tmp / "storm"))
@@ -110,6 +113,16 @@ def _run_cases(selected: list[str], stack: ExitStack, tmp: Path) -> None:
         run_case("kill -9 + restart", "sqlite-local", lambda: case_kill9(model, tmp / "kill9"))
     if want("outages"):
         run_case("outages", "postgres-s3", lambda: case_outages(model, tmp / "outage", pg_url, s3_server))
+    if want("subnormal adapters"):
+        run_case(
+            "subnormal adapters", "sqlite-local", lambda: case_subnormal_adapters(sqlite, tmp / "subnormal")
+        )
+    if want("overflowing adapters"):  # a server of its own, on a base with 1e12 activations
+        run_case(
+            "overflowing adapters", "sqlite-local", lambda: case_overflowing_adapters(model, tmp / "overflow")
+        )
+    if want("forged-key bodies"):
+        run_case("forged-key bodies", "sqlite-local", lambda: case_forged_key_bodies(sqlite))
     if want("schemathesis"):  # a server of its own: the fuzzer creates tenants, keys and deletes
         run_case("schemathesis", "sqlite-local", lambda: case_schemathesis(server("sqlite-local")))
     fair = [name for name in FAIRNESS_CASES if want(name)]

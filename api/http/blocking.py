@@ -14,6 +14,8 @@ base-model chat each waited 56.7 s. Now:
   for at most `timeout_s`.
 - `BlockingPools.ops`: small CPU-bound work of the operational endpoints (`/metrics` rendering),
   off the event loop and away from the default pool.
+- `BlockingPools.keys`: the key precheck's lookups of keys it has not seen (api/tenancy/key_precheck.py);
+  its size bounds the queries forged keys can have in flight.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _PROBE_THREADS = 4  # one per dependency (database, object store) and spares
 _OPS_THREADS = 2
+_KEY_THREADS = 2  # database lookups of keys not yet seen (api/tenancy/key_precheck.py)
 
 
 class UploadGate:
@@ -65,9 +68,10 @@ class BlockingPools:
         self.uploads = ThreadPoolExecutor(max_workers=max_uploads, thread_name_prefix="upload")
         self.probes = ThreadPoolExecutor(max_workers=_PROBE_THREADS, thread_name_prefix="probe")
         self.ops = ThreadPoolExecutor(max_workers=_OPS_THREADS, thread_name_prefix="ops")
+        self.keys = ThreadPoolExecutor(max_workers=_KEY_THREADS, thread_name_prefix="keys")
 
     def shutdown(self) -> None:
-        for pool in (self.uploads, self.probes, self.ops):
+        for pool in (self.uploads, self.probes, self.ops, self.keys):
             pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from adapters.types import AdapterRef
 from api.context import RequestContext, Usage, compute_usage
 from api.errors import APIError
 from api.inference import formatting as fmt
@@ -27,7 +28,7 @@ from api.inference.running import RequestTimeout
 from api.inference.tools import finish_reason as tool_finish_reason
 from api.inference.tools import message_fields as tool_fields
 from api.metering.request_meter import Meter
-from base_engine.outputs import RequestOutput
+from base_engine.outputs import NON_FINITE, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ def failure(
         logger.error("request %s failed in the engine: %s", failed[0].request_id, failed[0].error)
         if _is_adapter_unreachable(plan, failed[0], adapter_fetch):
             return adapter_unavailable(ctx.model)
+        if failed[0].error_kind == NON_FINITE and _adapter_of(plan, failed[0]) is not None:
+            return non_finite_activations(ctx.model)
         message = "Generation failed; the server logged the cause under this X-Request-Id."
         return APIError(500, message, code="engine_error")
     if any(o.finish_reason == "abort" for o in finals):
@@ -77,11 +80,28 @@ def failure(
     return None
 
 
+def non_finite_activations(model: str) -> APIError:
+    """The tenant's adapter made this request's activations overflow (NaN/Inf): a fault of the adapter's
+    weights on this input, not of the server, so a 4xx that says so (other requests are unaffected)."""
+    return APIError(
+        400,
+        f"The adapter `{model}` produced non-finite activations (NaN/Inf) for this request: its weights "
+        "overflow the serving dtype on this input, so the output would be meaningless. Retrain or rescale "
+        "the adapter (smaller lora_alpha or weights).",
+        code="non_finite_activations",
+        param="model",
+    )
+
+
+def _adapter_of(plan: GenerationPlan, out: RequestOutput) -> AdapterRef | None:
+    return next((r.adapter for r in plan.requests if r.request_id == out.request_id), None)
+
+
 def _is_adapter_unreachable(
     plan: GenerationPlan, failed: RequestOutput, adapter_fetch: AdapterFetch | None
 ) -> bool:
     """The request failed before its first token because its adapter could not be fetched now."""
-    ref = next((r.adapter for r in plan.requests if r.request_id == failed.request_id), None)
+    ref = _adapter_of(plan, failed)
     return (
         ref is not None
         and failed.num_completion_tokens == 0

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from base_engine import AsyncEngine, EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from tests.harness.engine_inputs import random_prompts
@@ -107,3 +108,20 @@ def test_stream_whose_event_loop_closed_is_aborted_and_the_engine_goes_on(async_
     assert len(tokens) == 4 and last.finish_reason == "length"
     assert async_engine.engine.block_manager.num_used_blocks == 0
     assert not async_engine.engine.requests
+
+
+def test_the_engine_thread_flushes_denormals(async_engine) -> None:
+    """On the engine thread a subnormal operand reads as zero (DAZ) and a subnormal result is zero
+    (FTZ): no step runs at denormal speed, whatever values an adapter brings."""
+    subnormal = torch.tensor([1e-39], dtype=torch.float32)  # below finfo(float32).tiny ~1.18e-38
+
+    def on_engine_thread(_: LLMEngine) -> tuple[float, float]:
+        tiny = torch.tensor([torch.finfo(torch.float32).tiny], dtype=torch.float32)
+        return float(subnormal * 1.0), float(tiny / 4)
+
+    if not torch.set_flush_denormal(False):  # False: this CPU has no FTZ/DAZ flags to set
+        pytest.skip("this CPU cannot flush denormals")
+    assert async_engine.flushes_denormals
+    assert float(subnormal * 1.0) != 0.0  # this (test) thread computes denormals as usual
+    read, produced = asyncio.run(async_engine._call(on_engine_thread))
+    assert read == 0.0 and produced == 0.0

@@ -21,6 +21,7 @@ from base_engine import SamplingParams
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
 from base_engine.model.config import load_model_config
+from base_engine.outputs import NON_FINITE
 from base_engine.testing.checkpoint import save_random_checkpoint
 from tests.harness.engine_inputs import preload_adapters
 
@@ -153,6 +154,7 @@ def test_non_finite_request_fails_alone_and_publishes_nothing(setup) -> None:
     got = _drain(engine)
     evil = got.pop("evil")
     assert evil.finish_reason == "error" and "non-finite" in (evil.error or ""), evil
+    assert evil.error_kind == NON_FINITE  # the API's cue for a 400 naming the adapter, not a 500
     assert evil.token_ids == []
     for rid, out in expected.items():
         assert got[rid].token_ids == out.token_ids

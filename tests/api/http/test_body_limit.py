@@ -37,6 +37,12 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield started
 
 
+@pytest.fixture(scope="module")
+def key(server: Server) -> str:
+    """A real tenant key: without one the key guard answers 401 before any limit is looked at."""
+    return server.tenant("body")[1]
+
+
 def _rss_kb(server: Server) -> int:
     assert server.process.proc is not None
     status = Path(f"/proc/{server.process.proc.pid}/status").read_text()
@@ -67,22 +73,22 @@ def _error(reply: bytes) -> tuple[int, dict[str, object]]:
     return int(head.split()[1]), json.loads(body)["error"]
 
 
-def test_a_declared_length_past_the_limit_is_413_before_any_byte_is_read(server: Server) -> None:
+def test_a_declared_length_past_the_limit_is_413_before_any_byte_is_read(server: Server, key: str) -> None:
     before = _rss_kb(server)
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {400 << 20}\r\n\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: {400 << 20}\r\n\r\n"
     )
-    status, error = _error(_raw(server, head, []))  # no auth, no body: refused on the header alone
+    status, error = _error(_raw(server, head, []))  # no body: refused on the header alone
     assert status == 413 and error["code"] == "payload_too_large"
     assert f"limit of {LIMIT} bytes" in str(error["message"])
     assert _rss_kb(server) - before < 20_000
 
 
-def test_a_chunked_body_is_cut_off_once_it_passes_the_limit(server: Server) -> None:
+def test_a_chunked_body_is_cut_off_once_it_passes_the_limit(server: Server, key: str) -> None:
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        "Transfer-Encoding: chunked\r\n\r\n"
+        f"Authorization: Bearer {key}\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
     # No length is declared; 40 KiB in 1 KiB chunks, well within what the server reads off the socket
     # at once (so closing after its answer never resets the connection under it).
@@ -92,10 +98,10 @@ def test_a_chunked_body_is_cut_off_once_it_passes_the_limit(server: Server) -> N
     assert status == 413 and error["code"] == "payload_too_large"
 
 
-def test_a_body_trickling_in_past_the_timeout_is_408(server: Server) -> None:
+def test_a_body_trickling_in_past_the_timeout_is_408(server: Server, key: str) -> None:
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        "Content-Length: 100\r\n\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: 100\r\n\r\n"
     )
     start = time.monotonic()
     status, error = _error(_raw(server, head, [b'{"model": "tiny']))  # then nothing more
