@@ -57,6 +57,7 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "seed": 6,
         "rope_theta": 1000000.0,
+        "chat_format": "qwen3",  # Hermes turns plus enable_thinking
     },
 }
 
