@@ -59,6 +59,16 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "chat_format": "qwen3",  # Hermes turns plus enable_thinking
     },
+    # Qwen3 with use_sliding_window on every layer (max_window_layers 0): one window shorter than the
+    # longer prompts.
+    "qwen3-window": {
+        "arch": "qwen3",
+        "head_dim": 32,
+        "seed": 9,
+        "use_sliding_window": True,
+        "sliding_window": 12,
+        "max_window_layers": 0,
+    },
 }
 
 # One variant per family: each runs on every engine path, with adapters and in deterministic mode.
