@@ -1,4 +1,4 @@
-"""Which modules a PEFT LoRA config targets on a llama/mistral/qwen2 base model, following
+"""Which modules a PEFT LoRA config targets on a llama/mistral/qwen2/qwen3 base model, following
 `peft.tuners.tuners_utils.check_target_module_exists`: a `target_modules` string is a regex full match, a
 list matches exact names or `.`-suffixes, `exclude_modules` first, then `layers_to_transform` /
 `layers_pattern`. Tenant regexes are matched by RE2 (adapters/safe_regex.py); anything outside the
@@ -19,15 +19,19 @@ from adapters.types import LORA_MODULES, AdapterFormatError, BaseModelShapes
 DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "v_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
 _PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Model types whose attention holds q_norm / k_norm modules (a pattern that selects them is refused).
+QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3",)
 
 
 def module_keys(base: BaseModelShapes) -> list[str]:
-    """Every `named_modules()` key of the transformers *ForCausalLM model for llama/mistral/qwen2."""
+    """Every `named_modules()` key of the transformers *ForCausalLM model for llama/mistral/qwen2/qwen3."""
     keys = ["", "model", "model.embed_tokens", "model.layers"]
     for i in range(base.num_layers):
         layer = f"model.layers.{i}"
         keys += [layer, f"{layer}.self_attn"]
         keys += [f"{layer}.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if base.model_type in QK_NORM_MODEL_TYPES:
+            keys += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
         keys += [f"{layer}.mlp"] + [f"{layer}.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
         keys += [f"{layer}.mlp.act_fn", f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
     return keys + ["model.norm", "model.rotary_emb", "lm_head"]

@@ -278,7 +278,8 @@ def banner(state: AppState) -> str:
             "",
             "  NOTE: this is the random demo model: its weights are RANDOM, so its answers are gibberish.",
             "  Serve the default model (SmolLM2-135M-Instruct) by leaving out --model, Gemma 3 270M with",
-            "  --model gemma3-270m, or a Hugging Face checkpoint or a .gguf file of a supported family with:",
+            "  --model gemma3-270m, or a Hugging Face checkpoint or a .gguf file of a family in",
+            "  base_engine/model/README.md with:",
             "      loraserve serve --model /path/to/checkpoint-or-file.gguf",
         ]
     elif state.demo is not None:

@@ -57,6 +57,17 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "seed": 6,
         "rope_theta": 1000000.0,
+        "chat_format": "qwen3",  # Hermes turns plus enable_thinking
+    },
+    # Qwen3 with use_sliding_window on every layer (max_window_layers 0): one window shorter than the
+    # longer prompts.
+    "qwen3-window": {
+        "arch": "qwen3",
+        "head_dim": 32,
+        "seed": 9,
+        "use_sliding_window": True,
+        "sliding_window": 12,
+        "max_window_layers": 0,
     },
     # Gemma 3: 5 windowed layers (window 8 < the prompts) and a global one, local and global RoPE
     # bases, linear scaling on the global layers, (1 + w) q/k norms, query_pre_attn_scalar, tied.

@@ -32,13 +32,14 @@ TINY_SIZES: dict[str, int] = {
 
 
 def tiny_model(model_type: str = "llama", *, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A random *ForCausalLM of `model_type` ("llama" | "mistral" | "qwen2") with TINY_SIZES."""
+    """A random *ForCausalLM of `model_type` ("llama" | "mistral" | "qwen2" | "qwen3") with TINY_SIZES."""
     import transformers
 
     classes = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }
     config_cls, model_cls = classes[model_type]
     torch.manual_seed(seed)
