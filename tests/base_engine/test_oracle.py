@@ -30,7 +30,8 @@ def test_greedy_matches_transformers(variant, make_checkpoint, hf_model_cache) -
     assert compared >= 2 * MAX_NEW, "too many near-ties: the check compared almost nothing"
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "llama-tied"])
+# gemma2-softcap: the final soft-cap over a logits tensor filled chunk by chunk.
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-tied", "gemma2-softcap"])
 def test_chunked_lm_head_matches_transformers(
     variant, make_checkpoint, hf_model_cache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
