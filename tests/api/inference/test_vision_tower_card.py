@@ -1,5 +1,6 @@
 """A Gemma3ForConditionalGeneration checkpoint is served as its text model: startup says in one log line
-that the vision tower was not loaded, and /v1/models says so on the base model's card."""
+that the vision tower was not loaded (and, in another, which layers slide), and /v1/models says so on
+the base model's card."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def test_models_card_and_log_say_the_vision_tower_is_not_loaded(
     model_dir: Path = make_checkpoint(**CHECKPOINTS["gemma3-vision"])
     settings = Settings(model=model_dir, data_dir=tmp_path / "data", admin_key=ADMIN, max_model_len=128,
                         num_kv_blocks=32)  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="base_engine.model.weights"):
+    with caplog.at_level(logging.INFO, logger="base_engine"):
         state = build_state(settings)
     lines = [r.getMessage() for r in caplog.records if "vision-tower tensors not loaded" in r.getMessage()]
     assert len(lines) == 1 and str(model_dir) in lines[0]
+    assert any("sliding window 6 on 5 of 6 layers" in r.getMessage() for r in caplog.records)
     with TestClient(create_app(state), base_url="http://127.0.0.1:8000") as client:
         admin = {"Authorization": f"Bearer {ADMIN}"}
         tenant = client.post("/admin/api/tenants", json={"name": "vision"}, headers=admin)
