@@ -153,6 +153,11 @@ class AsyncEngine:
         return int(self.engine.model_config.vocab_size)
 
     @property
+    def has_unloaded_vision_tower(self) -> bool:
+        """The checkpoint is multimodal (Gemma3ForConditionalGeneration) and only its text model is served."""
+        return bool(self.engine.model_config.has_vision_tower)
+
+    @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.engine.eos_token_ids
 

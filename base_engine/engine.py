@@ -123,6 +123,13 @@ class LLMEngine:
             logger.info(
                 "serving %s with sliding window %d < max_model_len %d", self.model_dir, window, max_len
             )
+        windows = self.model_config.layer_windows or ()
+        if any(w is not None for w in windows):
+            logger.info(
+                "serving %s with sliding window %d on %d of %d layers (the others attend globally)",
+                self.model_dir, max(w for w in windows if w is not None),
+                sum(w is not None for w in windows), len(windows),
+            )  # fmt: skip
         if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < max_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) must be >= max_model_len "

@@ -43,7 +43,7 @@ async def chat_completions(
 
 
 def _base_card(state: AppState) -> dict[str, Any]:
-    return {
+    card: dict[str, Any] = {
         "id": state.model_name,
         "object": "model",
         "created": state.started_at,
@@ -52,6 +52,9 @@ def _base_card(state: AppState) -> dict[str, Any]:
         "parent": None,
         "max_model_len": state.max_model_len,
     }
+    if state.engine.has_unloaded_vision_tower:
+        card["vision_tower"] = "not loaded: the text model alone is served, image inputs are unsupported"
+    return card
 
 
 def model_cards(*, state: AppState, session: SessionDep, caller: TenantDep) -> list[dict[str, Any]]:

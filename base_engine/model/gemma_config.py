@@ -113,7 +113,7 @@ def gemma_text(raw: dict[str, Any], path: Path) -> GemmaText | None:
         layer_windows=windows,
         global_rope=global_rope,
         local_rope=local_rope,
-        query_pre_attn_scalar=float(fields["query_pre_attn_scalar"]),
+        query_pre_attn_scalar=_positive(fields, "query_pre_attn_scalar", path),
         attn_logit_softcapping=_cap(fields, "attn_logit_softcapping", path),
         final_logit_softcapping=_cap(fields, "final_logit_softcapping", path),
     )
@@ -138,6 +138,13 @@ def _refuse_unsupported(fields: dict[str, Any], path: Path, model_type: str) -> 
                 f"{path}: {name}={fields[name]} unsupported on {model_type}: transformers' model does not "
                 "apply it; expected null"
             )
+
+
+def _positive(fields: dict[str, Any], name: str, path: Path) -> float:
+    value = _cap(fields, name, path)
+    if value is None:
+        raise ValueError(f"{path}: {name}=null, expected a number > 0")
+    return value
 
 
 def _cap(fields: dict[str, Any], name: str, path: Path) -> float | None:

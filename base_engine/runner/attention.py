@@ -98,6 +98,10 @@ def _sdpa(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
+    # Contiguous operands: each row is then its own GEMM of one shape, whose bits do not depend on the
+    # batch (a deterministic step, test_batch_invariance). Strided or broadcast keys (gathered blocks,
+    # shared_keys) take matmul paths that fold rows together and round differently with their number.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)

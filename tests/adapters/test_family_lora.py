@@ -48,3 +48,15 @@ def test_every_module_in_a_mixed_batch_matches_peft(family: str, make_checkpoint
                 label = f"{family} {name}"
                 compared += assert_greedy_match(out.token_ids, out.logprobs, ref_tokens, ref_lps, label=label)
     assert compared >= 4 * MAX_NEW, "too many near-ties: the check compared almost nothing"
+
+
+def test_adapter_of_a_multimodal_gemma3_is_refused_by_name(make_checkpoint, tmp_path) -> None:
+    """Gemma3ForConditionalGeneration nests its text model (and PEFT's targets reach the vision tower):
+    its adapters fail their requests naming the model type; base rows next to them are served."""
+    model_dir = make_checkpoint(**CHECKPOINTS["gemma3-vision"])
+    adapter = make_adapter(model_dir, tmp_path / "vision", seed=13, r=4, target_modules=ALL_SEVEN)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    with LLM(model_dir, num_kv_blocks=32, block_size=4, max_loras=1, max_lora_rank=8) as llm:
+        refused, base = llm.generate([[5, 6, 7], [5, 6, 7]], params, adapters=[adapter, None])
+    assert refused.finish_reason == "error" and "gemma3" in refused.error
+    assert base.finish_reason == "length" and len(base.token_ids) == 2

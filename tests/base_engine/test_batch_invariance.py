@@ -40,7 +40,9 @@ def setup(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, list[Path]]:
     root = tmp_path_factory.mktemp("invariance")
-    sizes = {"hidden_size": 64, "intermediate_size": 1408, "num_hidden_layers": 2, "vocab_size": VOCAB,
+    # A family's own layer count stays when it sets one (Gemma 3's first global layer is its 6th).
+    layers = CHECKPOINTS[request.param].get("num_hidden_layers", 2)
+    sizes = {"hidden_size": 64, "intermediate_size": 1408, "num_hidden_layers": layers, "vocab_size": VOCAB,
              "max_position_embeddings": 512}  # fmt: skip
     model_dir = save_random_checkpoint(root / "model", **{**CHECKPOINTS[request.param], **sizes})
     base = load_model_config(model_dir).base_shapes()

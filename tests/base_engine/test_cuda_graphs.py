@@ -25,6 +25,7 @@ def test_bucket_sizes() -> None:
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
 
 
+# Every family; Gemma's windowed layers' metadata (AttentionMetadata.sliding) shares the graph's buffers.
 @pytest.fixture(scope="module", params=FAMILIES)
 def model_dir(request: pytest.FixtureRequest, make_checkpoint) -> Path:
     return make_checkpoint(**CHECKPOINTS[request.param])

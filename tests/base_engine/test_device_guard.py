@@ -19,6 +19,7 @@ from base_engine import SamplingParams
 from base_engine.engine import LLMEngine
 from base_engine.engine_config import EngineConfig
 from base_engine.model.config import load_model_config
+from tests.harness.families import CHECKPOINTS
 
 HOST_READS = {
     torch.Tensor.item,
@@ -46,13 +47,17 @@ class DeviceGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def meta_engine(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[LLMEngine, list]:
-    base = load_model_config(tiny_llama_dir).base_shapes()
+# Llama, and Gemma's per-layer windows, local RoPE and soft-capped attention.
+@pytest.fixture(scope="module", params=["llama-gqa", "gemma2-softcap", "gemma3-window"])
+def meta_engine(
+    request: pytest.FixtureRequest, make_checkpoint, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[LLMEngine, list]:
+    model_dir: Path = make_checkpoint(**CHECKPOINTS[request.param])
+    base = load_model_config(model_dir).base_shapes()
     root = tmp_path_factory.mktemp("guard")
     adapters = [save_random_adapter(root / f"a{i}", base, rank=4, seed=i) for i in range(2)]
     config = EngineConfig(num_kv_blocks=32, block_size=4, max_num_batched_tokens=12, max_loras=2)
-    engine = LLMEngine(tiny_llama_dir, device="meta", config=config)
+    engine = LLMEngine(model_dir, device="meta", config=config)
     refs = [engine.lora.local_ref(a) for a in adapters]
     for ref in refs:
         engine.lora.cache.request_load(ref)

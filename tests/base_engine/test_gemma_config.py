@@ -194,6 +194,7 @@ def test_transformers5_rope_parameters(tmp_path: Path) -> None:
         (GEMMA3_270M, {"layer_types": ["full_attention"] * 3}, "layer_types"),
         (GEMMA3_270M, {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
         (GEMMA3_270M, {"sliding_window": None}, "sliding_window"),
+        (GEMMA3_270M, {"query_pre_attn_scalar": None}, "query_pre_attn_scalar"),
         (GEMMA2_2B, {"hidden_activation": "silu"}, "hidden_activation"),
         (GEMMA2_2B, {"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
         (

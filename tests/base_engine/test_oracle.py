@@ -30,7 +30,8 @@ def test_greedy_matches_transformers(variant, make_checkpoint, hf_model_cache) -
     assert compared >= 2 * MAX_NEW, "too many near-ties: the check compared almost nothing"
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "llama-tied"])
+# gemma2-softcap: the final soft-cap over a logits tensor filled chunk by chunk.
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-tied", "gemma2-softcap"])
 def test_chunked_lm_head_matches_transformers(
     variant, make_checkpoint, hf_model_cache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -78,11 +79,12 @@ def test_every_path_matches_transformers(
         assert compared >= 3 * MAX_NEW, "too many near-ties: the check compared almost nothing"
 
 
-GEMMA = sorted(v for v in CHECKPOINTS if v.startswith("gemma"))
+# Each Gemma family on both paths; the multimodal checkpoint's text model once.
+GEMMA_PATHS = [(v, a) for v in ("gemma2-softcap", "gemma3-window") for a in ("buckets", "paged")]
+GEMMA_PATHS.append(("gemma3-vision", "paged"))
 
 
-@pytest.mark.parametrize("attention", ["buckets", "paged"])
-@pytest.mark.parametrize("variant", GEMMA)
+@pytest.mark.parametrize(("variant", "attention"), GEMMA_PATHS)
 def test_gemma_windows_hold_under_preemption(variant, attention, make_checkpoint, hf_model_cache) -> None:
     """Too few KV blocks for every request: some are preempted and recomputed, in chunks of 5, and the
     per-layer windows (shorter than the prompts) and soft-caps still give transformers' tokens."""

@@ -83,10 +83,12 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
         "rope_scaling": {"rope_type": "linear", "factor": 2.0},
         "tie_word_embeddings": True,
     },
-    # The text model of Gemma3ForConditionalGeneration (vision tower present in the file, not loaded).
+    # The text model of Gemma3ForConditionalGeneration (vision tower present in the file, not loaded),
+    # with attention_bias (q/k/v and o biased).
     "gemma3-vision": {
         "arch": "gemma3-vision",
         "seed": 7,
+        "attention_bias": True,
         "num_hidden_layers": 6,
         "head_dim": 32,
         "sliding_window": 6,
