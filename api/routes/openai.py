@@ -51,7 +51,12 @@ def _base_card(state: AppState) -> dict[str, Any]:
         "root": state.model_name,
         "parent": None,
         "max_model_len": state.max_model_len,
+        "dtype": _dtype_name(state),  # what the weights and KV cache are served in (`--dtype auto` resolved)
     }
+
+
+def _dtype_name(state: AppState) -> str:
+    return str(state.engine.dtype).removeprefix("torch.")
 
 
 def model_cards(*, state: AppState, session: SessionDep, caller: TenantDep) -> list[dict[str, Any]]:
@@ -71,6 +76,7 @@ def model_cards(*, state: AppState, session: SessionDep, caller: TenantDep) -> l
                 "root": f"{name}@{info.version}",
                 "parent": state.model_name,
                 "max_model_len": state.max_model_len,
+                "dtype": _dtype_name(state),
             }
         )
     return cards

@@ -96,11 +96,18 @@ def add_lora_torch(
     host = params.ranks_host is not None and params.scales_host is not None
     tables = bag_tables(lora_a, lora_b) if host and x.dtype == torch.float32 else None
     if meta.invariant:
-        if tables is None:
+        if tables is not None:
+            torch_bag.add_lora_bag(y, x, tables, meta, torch_bag.plan_all(meta), params, layout)
+            return
+        if not host or x.dtype != torch.bfloat16:
             raise ValueError(
-                "batch-invariant LoRA needs float32 CPU-layout weight stacks with host ranks and scales"
+                "batch-invariant LoRA needs float32 or bfloat16 CPU-layout weight stacks with host ranks "
+                f"and scales (got {x.dtype}, host ranks and scales: {host})"
             )
-        torch_bag.add_lora_bag(y, x, tables, meta, torch_bag.plan_all(meta), params, layout)
+        # bf16 stacks have no fp32 bag table: gather + bmm, in fp32, where each row is its own batch
+        # entry of one shape, so its bits depend on no other row (the bag schedule's property).
+        delta = expand_gather(shrink_gather(x, lora_a, meta, params), lora_b, meta, params)
+        torch_loop.add_rows(y, meta.sorted_rows, delta)
         return
     if tables is not None:
         bag_plan = torch_bag.plan(meta, torch_bag.max_segment_rows(layout, x.element_size()))
