@@ -61,6 +61,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         model = load_model(self.model_dir, self.model_config, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu" and self.dtype != torch.float32:
+            model.keep_float32_logits()
         num_blocks = plan_memory(
             self.model_config,
             self.config,

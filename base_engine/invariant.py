@@ -15,7 +15,8 @@ kernels whose reduction order depends only on the row itself:
     prompt token computed in a chunk of any size, a decode and a recomputed (preempted) token all
     take the same path.
   * LoRA: one schedule for every row, the per-row bag schedule (kernels/sgmv/torch_bag.py; in
-    bfloat16 gather + bmm), never the per-adapter GEMM loop picked from the batch's composition.
+    bfloat16 on float32 copies of the operands), never the per-adapter GEMM loop picked from the
+    batch's composition.
   * norms, activations, sampling: row-wise already (per-row reductions; each deterministic request
     draws from its own generator).
 Only the CPU path is batch-invariant today: cuBLAS and the Triton kernels' split-K are not, so the
@@ -36,9 +37,7 @@ INVARIANT_K_CHUNK = 512  # widest reduction one BLAS call makes in this mode
 # on this build; `GemmProbe` checks it in the serving dtype on the machine itself. float16 is not probed.
 INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
 # What a deterministic request's steps run, as provenance names kernels (base_engine/identity.py).
-# By serving dtype: float32 runs the bag schedule; bfloat16 stacks have no fp32 bag table and run
-# gather + bmm, each row its own batch entry (kernels/sgmv/torch_ops.py).
-INVARIANT_LORA_KERNELS = {"float32": "torch-bags-invariant", "bfloat16": "torch-gather-invariant"}
+INVARIANT_LORA_KERNEL = "torch-bags-invariant"
 INVARIANT_ATTENTION = "token-sdpa-invariant"
 
 

@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 from api.checkpoints.hashes import base_model_sha256
 from base_engine.identity import EngineIdentity
-from base_engine.invariant import INVARIANT_ATTENTION, INVARIANT_LORA_KERNELS
+from base_engine.invariant import INVARIANT_ATTENTION, INVARIANT_LORA_KERNEL
 from registry.provenance import UNKNOWN, Provenance
 from registry.types import AdapterVersionInfo
 
@@ -123,8 +123,7 @@ def request_provenance(
     server: Provenance, adapter: AdapterVersionInfo | None, *, seed: int, deterministic: bool
 ) -> Provenance:
     if deterministic:  # its steps run the batch-invariant kernels, whatever the engine's default
-        kernel = INVARIANT_LORA_KERNELS[server.dtype]
-        server = dataclasses.replace(server, lora_kernel=kernel, attention=INVARIANT_ATTENTION)
+        server = dataclasses.replace(server, lora_kernel=INVARIANT_LORA_KERNEL, attention=INVARIANT_ATTENTION)
     if adapter is None:
         return dataclasses.replace(server, seed=seed, deterministic=deterministic)
     return dataclasses.replace(

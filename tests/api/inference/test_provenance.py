@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from base_engine.invariant import INVARIANT_LORA_KERNELS
+from base_engine.invariant import INVARIANT_LORA_KERNEL
 from base_engine.runner.device import auto_cpu_dtype
 from base_engine.runner.host import read_cpu_flags
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
@@ -211,7 +211,7 @@ def test_dtype_auto_is_reported_and_deterministic_in_it(tiny_llama_dir: Path, tm
         cards = httpx.get(f"{server.base_url}/v1/models", headers=bearer(key), timeout=30).json()["data"]
         assert cards[0]["id"] == BASE and cards[0]["dtype"] == expected
         det = _provenance(_post(server, key, "completions", {**body, "deterministic": True}))
-        assert det["deterministic"] is True and det["lora_kernel"] == INVARIANT_LORA_KERNELS[expected]
+        assert det["deterministic"] is True and det["lora_kernel"] == INVARIANT_LORA_KERNEL
         assert f"dtype auto -> {expected}: the CPU has" in process.log()
     finally:
         assert process.stop() == 0, process.log()[-4000:]
