@@ -11,7 +11,7 @@ then rounded to bf16 (8 bits of mantissa: a relative step of 2^-8 = 0.4%) at eve
 So the tolerance is stated in bf16 terms: top-5 logprobs within `ATOL` = 0.1 nat (about 13 bf16
 steps of a logit near 1; the largest difference measured here is 0.034-0.042 per family, a 2.4x
 margin), and greedy tokens equal up to the first step where the reference's top two are within
-`TIE` = 0.05 nat (a gap bf16 rounding can cross). The float32 twin (test_engine.py) holds 1e-3.
+`TIE` = 0.05 nat (a gap bf16 rounding can cross). The float32 twin (test_oracle.py) holds 1e-3.
 """
 
 from __future__ import annotations
