@@ -138,13 +138,16 @@ class Determinism:
         self.always = always
         self._reason = unsupported_reason(device, dtype)
         self._shapes = linear_shapes(model, column_chunk=column_chunk)
-        self._probe = GemmProbe(dtype)
+        # A bf16 CPU engine computes its logits in float32 (CausalLM.keep_float32_logits): both probed.
+        self._probes = [GemmProbe(dtype)] + ([GemmProbe(torch.float32)] if dtype != torch.float32 else [])
         if always and (reason := self.refusal()) is not None:
             raise ValueError(reason)
 
     def refusal(self) -> str | None:
         """None when batch-invariant steps are available (the GEMM probe runs once, on first ask)."""
-        return self._reason or self._probe.check(self._shapes)
+        if self._reason is not None:
+            return self._reason
+        return next((failure for probe in self._probes if (failure := probe.check(self._shapes))), None)
 
     def generator(self, seed: int | None) -> torch.Generator:
         """A deterministic request's own generator: its seed, else one drawn for it (never the engine's
