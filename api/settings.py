@@ -37,12 +37,16 @@ class Settings(BaseSettings):
 
     # Engine (names follow base_engine.EngineConfig / vLLM's engine arguments).
     device: str = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 on a CPU with AMX-BF16 / AVX512-BF16, else float32; the checkpoint's dtype on CUDA.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_gb: float | None = Field(None, gt=0)  # None = a fraction of the free memory (EngineConfig)
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1)
+    num_threads: int | None = Field(None, ge=1)  # CPU intra-op threads; None = the CPUs we may use
     enable_prefix_caching: bool = True
     max_loras: int = Field(4, ge=1)
     max_cpu_loras: int = Field(16, ge=1)
@@ -180,6 +184,9 @@ class Settings(BaseSettings):
             max_num_batched_tokens=self.max_num_batched_tokens,
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
+            kv_cache_bytes=None if self.kv_cache_gb is None else int(self.kv_cache_gb * (1 << 30)),
+            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            num_threads=self.num_threads,
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
             max_loras=self.max_loras,

@@ -26,6 +26,7 @@ from base_engine.outputs import NON_FINITE, EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
 from base_engine.runner.cuda_graphs import DecodeGraphs
 from base_engine.runner.device import check_device, resolve_dtype
+from base_engine.runner.host import set_intra_op_threads
 from base_engine.runner.kv_sizing import plan_memory
 from base_engine.runner.model_runner import ModelRunner, allocate_kv_caches
 from base_engine.runner.step import StepBatch, StepResult
@@ -53,12 +54,22 @@ class LLMEngine:
         self.model_config = load_model_config(self.model_dir)
         self.config = config or EngineConfig()
         self.device = check_device(device)
-        self.dtype = resolve_dtype(dtype, self.model_config)
+        if self.device.type == "cpu":
+            set_intra_op_threads(self.config.num_threads)
+        self.dtype = resolve_dtype(dtype, self.model_config, self.device)
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         model = load_model(self.model_dir, self.model_config, dtype=self.dtype, device=self.device)
-        num_blocks = plan_memory(self.model_config, self.config, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu" and self.dtype != torch.float32:
+            model.keep_float32_logits()
+        num_blocks = plan_memory(
+            self.model_config,
+            self.config,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+        )
         kv_caches = allocate_kv_caches(
             self.model_config,
             num_blocks=num_blocks,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-# On CPU the KV pool is a fixed budget, not a fraction of host RAM, so several engines fit in one process.
-DEFAULT_CPU_KV_BYTES = 1 << 30
+# Share of memory the KV pool takes when `kv_cache_memory_fraction` is None: on CUDA of the free device
+# memory after the weights and adapter slots; on the CPU of the host memory still available, which the
+# weights' page cache, the adapter host tier, the tokenizer and other processes also draw on.
+DEFAULT_GPU_KV_FRACTION = 0.9
+DEFAULT_CPU_KV_FRACTION = 0.3
 
 
 @dataclass(slots=True)
@@ -14,8 +17,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_fraction / the CPU budget
-    kv_cache_memory_fraction: float = 0.9
+    num_kv_blocks: int | None = None  # None = sized from kv_cache_bytes or kv_cache_memory_fraction
+    kv_cache_bytes: int | None = None  # the KV pool's size (vLLM's CPU `kv_cache_space`); None = a fraction
+    kv_cache_memory_fraction: float | None = None  # None = DEFAULT_GPU_KV_FRACTION / DEFAULT_CPU_KV_FRACTION
+    # Intra-op threads on the CPU (torch.set_num_threads at engine start); None = the CPUs this process
+    # may use (affinity mask and cgroup quota, runner/host.py).
+    num_threads: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
@@ -44,7 +51,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0.0 < fraction <= 1.0:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
             )

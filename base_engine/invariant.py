@@ -14,8 +14,9 @@ kernels whose reduction order depends only on the row itself:
     row the same bits whatever other rows share the call, but not for another query length, so a
     prompt token computed in a chunk of any size, a decode and a recomputed (preempted) token all
     take the same path.
-  * LoRA: one schedule for every row, the per-row bag schedule (kernels/sgmv/torch_bag.py), never the
-    per-adapter GEMM loop picked from the batch's composition.
+  * LoRA: one schedule for every row, the per-row bag schedule (kernels/sgmv/torch_bag.py; in
+    bfloat16 on float32 copies of the operands), never the per-adapter GEMM loop picked from the
+    batch's composition.
   * norms, activations, sampling: row-wise already (per-row reductions; each deterministic request
     draws from its own generator).
 Only the CPU path is batch-invariant today: cuBLAS and the Triton kernels' split-K are not, so the
@@ -32,21 +33,27 @@ import torch.nn.functional as F
 
 INVARIANT_MIN_ROWS = 16  # fewer rows than this take other BLAS paths (GEMV and small-M kernels)
 INVARIANT_K_CHUNK = 512  # widest reduction one BLAS call makes in this mode
+# float32 (MKL) and bfloat16 (oneDNN, AMX / AVX512-BF16) GEMMs keep a row's bits under this construction
+# on this build; `GemmProbe` checks it in the serving dtype on the machine itself. float16 is not probed.
+INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
 # What a deterministic request's steps run, as provenance names kernels (base_engine/identity.py).
 INVARIANT_LORA_KERNEL = "torch-bags-invariant"
 INVARIANT_ATTENTION = "token-sdpa-invariant"
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with row bits independent of x's other rows and of their number."""
+    """`F.linear(x, weight, bias)` with row bits independent of x's other rows and of their number.
+    In bfloat16 each piece's output (accumulated in float32 inside the GEMM) is summed in float32 and
+    rounded once, as the one unsplit bf16 GEMM rounds once."""
     rows, width = x.shape
     if rows < INVARIANT_MIN_ROWS:
         x = torch.cat([x, x.new_zeros(INVARIANT_MIN_ROWS - rows, width)])
-    y = F.linear(x[:, :INVARIANT_K_CHUNK], weight[:, :INVARIANT_K_CHUNK])
+    y = F.linear(x[:, :INVARIANT_K_CHUNK], weight[:, :INVARIANT_K_CHUNK]).float()
     for start in range(INVARIANT_K_CHUNK, width, INVARIANT_K_CHUNK):
         y += F.linear(x[:, start : start + INVARIANT_K_CHUNK], weight[:, start : start + INVARIANT_K_CHUNK])
     if bias is not None:
         y += bias
+    y = y.to(x.dtype)
     return y[:rows] if rows < INVARIANT_MIN_ROWS else y
 
 
@@ -57,8 +64,8 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
             f"deterministic mode runs only on the CPU engine for now (this engine runs on {device.type}: "
             "its GEMM library and the Triton kernels' split reductions are not batch-invariant)"
         )
-    if dtype != torch.float32:
-        return f"deterministic mode needs dtype float32 on the CPU (this engine runs {dtype})"
+    if dtype not in INVARIANT_DTYPES:
+        return f"deterministic mode needs dtype float32 or bfloat16 on the CPU (this engine runs {dtype})"
     return None
 
 
@@ -69,9 +76,10 @@ _PROBE_ROWS = (1, 16, 17, 57, 100, 257, 1000)
 
 class GemmProbe:
     """Checks once, per distinct weight shape, that `invariant_linear` gives a row the same bits for
-    every probed batch size on this machine's BLAS; remembers the first failure."""
+    every probed batch size on this machine's BLAS in `dtype`; remembers the first failure."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
         self._lock = threading.Lock()
         self._checked: set[tuple[int, int]] = set()
         self.failure: str | None = None
@@ -80,23 +88,23 @@ class GemmProbe:
         """None when every (out_features, in_features) shape is batch-invariant, else the reason."""
         with self._lock:
             for shape in sorted(shapes - self._checked):
-                if self.failure is None and not _shape_is_invariant(*shape):
+                if self.failure is None and not _shape_is_invariant(*shape, self.dtype):
                     self.failure = (
                         f"deterministic mode is not available on this machine: its BLAS does not give "
-                        f"batch-invariant rows for a {shape[1]}x{shape[0]} projection"
+                        f"batch-invariant rows for a {shape[1]}x{shape[0]} projection in {self.dtype}"
                     )
                 self._checked.add(shape)
             return self.failure
 
 
 @torch.inference_mode()
-def _shape_is_invariant(out_features: int, in_features: int) -> bool:
+def _shape_is_invariant(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(out_features * 7919 + in_features)
-    weight = torch.randn(out_features, in_features, generator=gen, device="cpu")
-    row = torch.randn(in_features, generator=gen, device="cpu")
+    weight = torch.randn(out_features, in_features, generator=gen, device="cpu").to(dtype)
+    row = torch.randn(in_features, generator=gen, device="cpu").to(dtype)
     reference = invariant_linear(row[None], weight)[0]
     for rows in _PROBE_ROWS[1:]:
-        x = torch.randn(rows, in_features, generator=gen, device="cpu")
+        x = torch.randn(rows, in_features, generator=gen, device="cpu").to(dtype)
         at = (rows * 7) // 11
         x[at] = row
         if not torch.equal(invariant_linear(x, weight)[at], reference):
@@ -130,13 +138,16 @@ class Determinism:
         self.always = always
         self._reason = unsupported_reason(device, dtype)
         self._shapes = linear_shapes(model, column_chunk=column_chunk)
-        self._probe = GemmProbe()
+        # A bf16 CPU engine computes its logits in float32 (CausalLM.keep_float32_logits): both probed.
+        self._probes = [GemmProbe(dtype)] + ([GemmProbe(torch.float32)] if dtype != torch.float32 else [])
         if always and (reason := self.refusal()) is not None:
             raise ValueError(reason)
 
     def refusal(self) -> str | None:
         """None when batch-invariant steps are available (the GEMM probe runs once, on first ask)."""
-        return self._reason or self._probe.check(self._shapes)
+        if self._reason is not None:
+            return self._reason
+        return next((failure for probe in self._probes if (failure := probe.check(self._shapes))), None)
 
     def generator(self, seed: int | None) -> torch.Generator:
         """A deterministic request's own generator: its seed, else one drawn for it (never the engine's

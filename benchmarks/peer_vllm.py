@@ -45,14 +45,13 @@ def _answer(obj: dict) -> None:
 
 def ours_worker(spec: dict) -> None:
     sys.path.insert(0, str(ROOT))
-    import torch
 
     from base_engine import LLM, SamplingParams
 
-    torch.set_num_threads(spec.get("ours_threads") or max(1, min(torch.get_num_threads(), 16)))
+    # The engine sets its intra-op threads at start: --ours-threads, else the CPUs this process may use.
     llm = LLM(spec["model_dir"], max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024,
               max_model_len=MAX_MODEL_LEN, max_loras=NUM_ADAPTERS, max_cpu_loras=NUM_ADAPTERS,
-              max_lora_rank=RANK)  # fmt: skip
+              max_lora_rank=RANK, num_threads=spec.get("ours_threads"))  # fmt: skip
     adapters = spec.get("adapters")
 
     def run(prompts: list[list[int]], lens: list[int], picks: list[int] | None) -> float:

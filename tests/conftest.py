@@ -13,6 +13,10 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Servers in tests (the harness's subprocesses and in-process `Settings`) serve float32, the dtype the
+# oracles (`transformers`, `peft`, float64 loops) are compared in at float32 tolerances; `--dtype auto`
+# would be bfloat16 on a CPU with AMX / AVX512-BF16. Tests of other dtypes pass `--dtype` themselves.
+os.environ.setdefault("LORASERVE_DTYPE", "float32")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 pytest_plugins = [

@@ -11,6 +11,7 @@ needed), applying migrations first. Help texts are plain text (no Rich markup), 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -159,4 +160,10 @@ remote_cli.register(tenant_app, key_app, adapter_app)
 
 
 def main() -> None:
+    # libgomp (torch's OpenMP) reads its wait policy once, when torch loads it; nothing here has imported
+    # torch yet. PASSIVE: a thread that finishes its share of a parallel region sleeps at the join
+    # instead of spinning (libgomp's default spins ~300k iterations first). On cores shared with other
+    # work, or under a CPU quota, the spinners take the time slice the one descheduled straggler needs, and
+    # each of a step's many small regions waits on it. A user's own OMP_WAIT_POLICY wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     app()

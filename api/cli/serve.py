@@ -55,6 +55,17 @@ def serve(
     num_kv_blocks: Annotated[
         int | None, typer.Option(help="KV cache blocks [default: sized from the memory budget]")
     ] = None,
+    kv_cache_gb: Annotated[
+        float | None, typer.Option(help="KV cache size in GiB [default: a fraction of the free memory]")
+    ] = None,
+    kv_cache_memory_fraction: Annotated[
+        float | None,
+        typer.Option(help="share of the free memory the KV cache takes [default: 0.3 on CPU, 0.9 on CUDA]"),
+    ] = None,
+    num_threads: Annotated[
+        int | None,
+        typer.Option(help="CPU intra-op threads [default: the CPUs this process may use: affinity, quota]"),
+    ] = None,
     max_loras: Annotated[
         int | None, typer.Option(help=f"adapters resident on the device {_default('max_loras')}")
     ] = None,

@@ -51,10 +51,15 @@ def _base_card(state: AppState) -> dict[str, Any]:
         "root": state.model_name,
         "parent": None,
         "max_model_len": state.max_model_len,
+        "dtype": _dtype_name(state),  # what the weights and KV cache are served in (`--dtype auto` resolved)
     }
     if state.engine.has_unloaded_vision_tower:
         card["vision_tower"] = "not loaded: the text model alone is served, image inputs are unsupported"
     return card
+
+
+def _dtype_name(state: AppState) -> str:
+    return str(state.engine.dtype).removeprefix("torch.")
 
 
 def model_cards(*, state: AppState, session: SessionDep, caller: TenantDep) -> list[dict[str, Any]]:
@@ -74,6 +79,7 @@ def model_cards(*, state: AppState, session: SessionDep, caller: TenantDep) -> l
                 "root": f"{name}@{info.version}",
                 "parent": state.model_name,
                 "max_model_len": state.max_model_len,
+                "dtype": _dtype_name(state),
             }
         )
     return cards

@@ -261,11 +261,18 @@ class ModelRunner:
 def allocate_kv_caches(
     config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks + 2, block_size, kv_heads, head_dim] tensor per layer, zeroed (lazily by the OS);
-    the two extra blocks are the runner's null block (decode padding, stays zero) and scratch block (K/V
-    writes of CUDA-graph padding rows), never allocated to a request."""
+    """One [2, num_blocks + 2, block_size, kv_heads, head_dim] tensor per layer; the two extra blocks are
+    the runner's null block (decode padding, stays zero) and scratch block (K/V writes of CUDA-graph
+    padding rows), never allocated to a request. On the CPU only those two are zeroed: every other block
+    is zeroed when it is handed to an owner (`clear_blocks`), so the pool's pages are committed as
+    blocks are first used, not all at start-up (torch.zeros writes every page of a pool of gigabytes)."""
     shape = (2, num_blocks + 2, block_size, config.num_key_value_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    for cache in caches:
+        cache[:, num_blocks:].zero_()
+    return caches
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kernels.sgmv import torch_bag, torch_fused, torch_loop
 from kernels.sgmv.checks import LoraLayout, SlotParams
-from kernels.sgmv.layout import bag_tables
+from kernels.sgmv.layout import BagTables, bag_tables
 from kernels.sgmv.meta import SgmvMeta
 
 # Gather + bmm copies every row's weights: only for many short segments of light adapters.
@@ -92,16 +92,12 @@ def add_lora_torch(
 ) -> None:
     if meta.num_active_rows == 0:
         return
+    if meta.invariant:
+        _add_lora_invariant(y, x, lora_a, lora_b, meta, params, layout)
+        return
     # The CPU layout (layout.py) in fp32 with host ranks and scales: bag schedule and fused segment loop.
     host = params.ranks_host is not None and params.scales_host is not None
     tables = bag_tables(lora_a, lora_b) if host and x.dtype == torch.float32 else None
-    if meta.invariant:
-        if tables is None:
-            raise ValueError(
-                "batch-invariant LoRA needs float32 CPU-layout weight stacks with host ranks and scales"
-            )
-        torch_bag.add_lora_bag(y, x, tables, meta, torch_bag.plan_all(meta), params, layout)
-        return
     if tables is not None:
         bag_plan = torch_bag.plan(meta, torch_bag.max_segment_rows(layout, x.element_size()))
         views = torch_fused.slot_views(lora_a, lora_b, tables, layout)
@@ -122,6 +118,34 @@ def add_lora_torch(
     for seg in torch_loop.segments(meta):
         parts = torch_loop.shrink_segment(x, lora_a, meta, seg, ranks)
         torch_loop.expand_segment(y_slices, parts, lora_b, meta, seg, ranks, scales)
+
+
+def _add_lora_invariant(
+    y: Tensor,
+    x: Tensor,
+    lora_a: Sequence[Tensor],
+    lora_b: Sequence[Tensor],
+    meta: SgmvMeta,
+    params: SlotParams,
+    layout: LoraLayout,
+) -> None:
+    """The per-row bag schedule for every row (a row's bits depend on no other row). bf16 runs it on
+    fp32 copies of x, y and the tables and rounds y once: other rows' bits come back unchanged, and
+    the delta is summed in fp32 as in the float32 schedules."""
+    host = params.ranks_host is not None and params.scales_host is not None
+    tables = bag_tables(lora_a, lora_b) if host else None
+    if tables is None or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            "batch-invariant LoRA needs float32 or bfloat16 CPU-layout weight stacks with host ranks and "
+            f"scales (got {x.dtype}, host ranks and scales: {host})"
+        )
+    if x.dtype == torch.float32:
+        torch_bag.add_lora_bag(y, x, tables, meta, torch_bag.plan_all(meta), params, layout)
+        return
+    wide = BagTables(tables.a.float(), [b.float() for b in tables.b])
+    y32 = y.float()
+    torch_bag.add_lora_bag(y32, x.float(), wide, meta, torch_bag.plan_all(meta), params, layout)
+    y.copy_(y32)
 
 
 def sgmv_shrink_torch(

@@ -5,6 +5,7 @@ batch — other requests and adapters, prefill chunking, prefix-cache hits, pree
 The model's MLP is 1408 wide (bench-small's), so its down projection is a K = 1408 GEMM: the shape
 where this machine's BLAS sums a row in another order once a step holds 57 rows or more. Without
 the mode the same scenarios differ (checked when the mode was written: 6 of 6 random batches).
+Both served dtypes are checked: float32 (MKL) and bfloat16 (oneDNN's AMX / AVX512-BF16 kernels).
 """
 
 from __future__ import annotations
@@ -62,13 +63,18 @@ class Req:
 
 
 def _engine(
-    model_dir: Path, adapters: list[Path], *, chunk: int = 512, num_kv_blocks: int = 400
+    model_dir: Path,
+    adapters: list[Path],
+    *,
+    chunk: int = 512,
+    num_kv_blocks: int = 400,
+    dtype: str = "float32",
 ) -> LLMEngine:
     config = EngineConfig(
         num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=chunk, max_num_seqs=32,
         max_loras=NUM_ADAPTERS, max_cpu_loras=NUM_ADAPTERS, max_lora_rank=16, attention="buckets",
     )  # fmt: skip
-    engine = LLMEngine(model_dir, config=config)
+    engine = LLMEngine(model_dir, dtype=dtype, config=config)
     preload_adapters(engine, adapters)
     return engine
 
@@ -101,11 +107,14 @@ def _target(prompt: list[int], adapter: int | None, temperature: float, arrival:
 
 
 @pytest.mark.slow
-def test_prefix_hit_chunking_and_preemption_leave_the_answer_alone(setup: tuple[Path, list[Path]]) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefix_hit_chunking_and_preemption_leave_the_answer_alone(
+    setup: tuple[Path, list[Path]], dtype: str
+) -> None:
     """One scenario with each cause at once, and a check that each really happened."""
     model_dir, adapters = setup
     prompt = [(i * 37 + 11) % (VOCAB - 3) + 3 for i in range(30)]
-    alone = _run(_engine(model_dir, adapters), adapters, [_target(prompt, 2, 0.8, 0)])["0"]
+    alone = _run(_engine(model_dir, adapters, dtype=dtype), adapters, [_target(prompt, 2, 0.8, 0)])["0"]
     # still running when the target arrives, so its prefix blocks are held (not evicted under pressure);
     # seeded and without EOS, so the scenario is the same every run (an unseeded deterministic request
     # draws its seed: its length, and with it who is preempted and what stays cached, would vary)
@@ -116,7 +125,7 @@ def test_prefix_hit_chunking_and_preemption_leave_the_answer_alone(setup: tuple[
             {"max_tokens": 12, "temperature": 0.7 if j % 2 else 0.0, "top_p": 0.9}, j % 4)
         for j in range(14)
     ]  # fmt: skip
-    engine = _engine(model_dir, adapters, chunk=40, num_kv_blocks=80)
+    engine = _engine(model_dir, adapters, chunk=40, num_kv_blocks=80, dtype=dtype)
     reqs = [sharer, *others, _target(prompt, 2, 0.8, 2)]
     got = _run(engine, adapters, reqs)[str(len(reqs) - 1)]
     assert got.num_cached_tokens > 0, "the scenario must reuse the sharer's prefix blocks"
@@ -145,12 +154,22 @@ other_st = st.tuples(  # prompt, adapter, temperature, top_p, max_tokens, determ
     position=st.integers(0, 31),
     chunk=st.sampled_from([16, 48, 96, 512]),
     num_kv_blocks=st.sampled_from([400, 60]),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
 )
 def test_alone_equals_any_batch(
-    setup: tuple[Path, list[Path]], prompt, adapter, temperature, others, position, chunk, num_kv_blocks
+    setup: tuple[Path, list[Path]],
+    prompt,
+    adapter,
+    temperature,
+    others,
+    position,
+    chunk,
+    num_kv_blocks,
+    dtype,
 ) -> None:
     model_dir, adapters = setup
-    alone = _run(_engine(model_dir, adapters), adapters, [_target(prompt, adapter, temperature, 0)])["0"]
+    target = [_target(prompt, adapter, temperature, 0)]
+    alone = _run(_engine(model_dir, adapters, dtype=dtype), adapters, target)["0"]
     batch = []
     for other_prompt, other_adapter, temp, top_p, max_tokens, det, arrival, share in others:
         if share:  # shares a prefix of the target's prompt: a prefix hit for one of them
@@ -159,31 +178,35 @@ def test_alone_equals_any_batch(
         batch.append(Req(tuple(other_prompt), other_adapter, params, arrival))
     at = min(position, len(batch))
     batch.insert(at, _target(prompt, adapter, temperature, position % 4))
-    got = _run(_engine(model_dir, adapters, chunk=chunk, num_kv_blocks=num_kv_blocks), adapters, batch)[
-        str(at)
-    ]
+    engine = _engine(model_dir, adapters, chunk=chunk, num_kv_blocks=num_kv_blocks, dtype=dtype)
+    got = _run(engine, adapters, batch)[str(at)]
     assert _answer(got) == _answer(alone)
 
 
-def test_invariant_linear_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_linear_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(512, 1408, generator=gen) / 1408**0.5
-    row = torch.randn(1408, generator=gen)
+    weight = (torch.randn(512, 1408, generator=gen) / 1408**0.5).to(dtype)
+    row = torch.randn(1408, generator=gen).to(dtype)
     alone = invariant_linear(row[None], weight)[0]
     for rows in (2, 15, 16, 57, 100, 300):
-        x = torch.randn(rows, 1408, generator=gen)
+        x = torch.randn(rows, 1408, generator=gen).to(dtype)
         x[rows // 3] = row
         assert torch.equal(invariant_linear(x, weight)[rows // 3], alone), rows
-    bias = torch.randn(512, generator=gen)
-    torch.testing.assert_close(invariant_linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
-    assert GemmProbe().check({(512, 1408), (1024, 64)}) is None
+    bias = torch.randn(512, generator=gen).to(dtype)
+    got = invariant_linear(x, weight, bias)
+    assert got.dtype == dtype
+    # bf16: the pieces' sum is rounded once, so it stays within one bf16 ulp of the unsplit GEMM.
+    tolerance = {"atol": 3e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), **tolerance)
+    assert GemmProbe(dtype).check({(512, 1408), (1024, 64)}) is None
 
 
 def test_refused_where_it_cannot_hold(setup: tuple[Path, list[Path]]) -> None:
     model_dir, _ = setup
-    engine = LLMEngine(model_dir, dtype="bfloat16", config=EngineConfig(num_kv_blocks=32, block_size=4))
-    with pytest.raises(ValueError, match="deterministic mode needs dtype float32"):
+    engine = LLMEngine(model_dir, dtype="float16", config=EngineConfig(num_kv_blocks=32, block_size=4))
+    with pytest.raises(ValueError, match="deterministic mode needs dtype float32 or bfloat16"):
         engine.add_request("x", [5, 6, 7], SamplingParams(deterministic=True))
     engine.add_request("y", [5, 6, 7], SamplingParams(max_tokens=2))  # the rest of the engine serves on
-    with pytest.raises(ValueError, match="deterministic mode needs dtype float32"):
-        LLMEngine(model_dir, dtype="bfloat16", config=EngineConfig(num_kv_blocks=32, deterministic=True))
+    with pytest.raises(ValueError, match="deterministic mode needs dtype float32 or bfloat16"):
+        LLMEngine(model_dir, dtype="float16", config=EngineConfig(num_kv_blocks=32, deterministic=True))

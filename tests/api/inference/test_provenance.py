@@ -18,6 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
+from base_engine.invariant import INVARIANT_LORA_KERNEL
+from base_engine.runner.device import auto_cpu_dtype
+from base_engine.runner.host import read_cpu_flags
 from tests.harness.servers import ADMIN_KEY, Server, ServerProcess, bearer, main_server_args
 from tests.harness.structured_fields import parse_dictionary
 from tests.harness.uploads import files_of, peft_adapter, upload
@@ -184,20 +187,31 @@ def test_server_wide_deterministic_overrules_false(tiny_llama_dir: Path, tmp_pat
 
 
 def test_deterministic_where_the_engine_cannot_keep_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    """bfloat16: `deterministic: true` is a 400 naming the field and why; `--deterministic` does not start."""
+    """float16: `--deterministic` does not start, naming the dtypes that can."""
     env = {"LORASERVE_ADMIN_KEY": ADMIN_KEY}
-    args = [*main_server_args(tiny_llama_dir), "--dtype", "bfloat16"]
-    refused = ServerProcess([*args, "--deterministic"], tmp_path / "refused", env=env)
-    with pytest.raises(RuntimeError, match="deterministic mode needs dtype float32"):
+    args = [*main_server_args(tiny_llama_dir), "--dtype", "float16", "--deterministic"]
+    refused = ServerProcess(args, tmp_path / "refused", env=env)
+    with pytest.raises(RuntimeError, match="deterministic mode needs dtype float32 or bfloat16"):
         refused.start()
-    process = ServerProcess(args, tmp_path / "data", env=env).start()
+
+
+def test_dtype_auto_is_reported_and_deterministic_in_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`--dtype auto` serves bfloat16 on a CPU with AMX / AVX512-BF16 (float32 elsewhere): provenance and
+    /v1/models say which, and a deterministic request runs that dtype's batch-invariant kernels."""
+    expected = str(auto_cpu_dtype(read_cpu_flags())[0]).removeprefix("torch.")
+    env = {"LORASERVE_ADMIN_KEY": ADMIN_KEY, "LORASERVE_LOG_LEVEL": "info"}  # the choice is logged at info
+    args = [*main_server_args(tiny_llama_dir), "--dtype", "auto"]
+    process = ServerProcess(args, tmp_path / "data", env=env)
+    process.start()
     try:
         server = Server(process, ADMIN_KEY, "sqlite-local")
-        _, key = server.tenant("prov-bf16")
-        body = {"model": BASE, "prompt": "Hi", "max_tokens": 1}
-        r = _post(server, key, "completions", {**body, "deterministic": True})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "deterministic", r.text
-        assert "float32" in r.json()["error"]["message"]
-        assert _provenance(_post(server, key, "completions", body))["dtype"] == "bfloat16"
+        _, key = server.tenant("prov-auto")
+        body = {"model": BASE, "prompt": "Hi", "max_tokens": 2}
+        assert _provenance(_post(server, key, "completions", body))["dtype"] == expected
+        cards = httpx.get(f"{server.base_url}/v1/models", headers=bearer(key), timeout=30).json()["data"]
+        assert cards[0]["id"] == BASE and cards[0]["dtype"] == expected
+        det = _provenance(_post(server, key, "completions", {**body, "deterministic": True}))
+        assert det["deterministic"] is True and det["lora_kernel"] == INVARIANT_LORA_KERNEL
+        assert f"dtype auto -> {expected}: the CPU has" in process.log()
     finally:
         assert process.stop() == 0, process.log()[-4000:]
