@@ -33,7 +33,13 @@ from adapters.peft_fields import SUPPORTED_MODEL_TYPES, check_fields
 from adapters.peft_rank import parse_spec
 from adapters.peft_targets import resolve_targets
 from adapters.safetensors_header import check_header, mapped_tensors
-from adapters.types import LORA_MODULES, AdapterFormatError, AdapterValidationError, BaseModelShapes
+from adapters.types import (
+    FUSED_PROJECTIONS,
+    LORA_MODULES,
+    AdapterFormatError,
+    AdapterValidationError,
+    BaseModelShapes,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +100,29 @@ def parse_adapter(
             raise AdapterValidationError(f"{key} has rank {r}, above max_lora_rank={max_lora_rank}")
         a, b = checked_factors(key, module, by_module.get(key, {}), r, base, dtype)
         check_delta_bound(key, a, b, scale, dtype)
-        weights[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
+        weights.update(_split_fused(layer, module, LoraPair(a=a, b=b, scale=scale), base))
     ranks: dict[str, int] = {}
     for (_, module), pair in weights.items():
         ranks[module] = max(ranks.get(module, 0), pair.a.shape[0])
     rank_by_module = {m: ranks[m] for m in LORA_MODULES if m in ranks}
     return LoraAdapter(rank_by_module=rank_by_module, max_rank=max(ranks.values()), weights=weights)
+
+
+def _split_fused(
+    layer: int, module: str, pair: LoraPair, base: BaseModelShapes
+) -> dict[tuple[int, str], LoraPair]:
+    """A LoRA on a fused projection (Phi-3's qkv_proj: delta = scale * B A x, B [q + k + v, r]) as one pair
+    per part with the same A and B's rows for that part: the parts' deltas are exactly the fused one's
+    rows, which is the layout the slot pool stacks per packed projection."""
+    parts = FUSED_PROJECTIONS.get(module)
+    if parts is None:
+        return {(layer, module): pair}
+    sizes = [base.module_shape(part)[1] for part in parts]
+    rows = pair.b.split(sizes, dim=0)
+    return {
+        (layer, part): LoraPair(a=pair.a, b=b.contiguous(), scale=pair.scale)
+        for part, b in zip(parts, rows, strict=True)
+    }
 
 
 def load_adapter(

@@ -17,22 +17,26 @@ from typing import Any, TypeVar
 import torch
 
 from adapters.types import BaseModelShapes
+from base_engine.model.phi3 import phi3_rope_fields
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Phi3ForCausalLM": "phi3",
 }
 # RoPE variants whose inverse frequencies are fixed at load time (rope.py reproduces them exactly).
-# "dynamic" and "longrope" change frequencies with the sequence length at run time: refused.
+# "dynamic" and "longrope" change frequencies with the sequence length at run time: refused, except
+# LongRoPE on Phi-3 (model/phi3.py), whose two frequency sets the engine switches per sequence.
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+LONGROPE = "longrope"
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
 # transformers' defaults for fields a config.json may leave out, per model_type.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "phi3": 4096}
 _T = TypeVar("_T")
 _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
@@ -41,19 +45,31 @@ _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_f
 class RopeConfig:
     """Rotary embedding settings (Su et al. 2021, "RoFormer"), with the scaling variants HF names."""
 
-    rope_type: str  # "default" | "linear" | "llama3" | "yarn"
+    rope_type: str  # "default" | "linear" | "llama3" | "yarn" | "longrope"
     theta: float
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int | None = None  # llama3 / yarn: the pre-training context
     extra: dict[str, Any] = field(default_factory=dict, hash=False)  # yarn: beta_fast, beta_slow, mscale...
+    partial_rotary_factor: float = 1.0  # rotate only the first int(head_dim * factor) dims of each head
+    # longrope: frequency divisors while a sequence fits the original context, and once it is longer
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # longrope: cos and sin are multiplied by it (both factor sets)
 
     def __post_init__(self) -> None:
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope_type {self.rope_type!r} not supported; expected one of {SUPPORTED_ROPE_TYPES}"
-            )
+        known = (*SUPPORTED_ROPE_TYPES, LONGROPE)
+        if self.rope_type not in known:
+            raise ValueError(f"rope_type {self.rope_type!r} not supported; expected one of {known}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
+        if self.partial_rotary_factor != 1 and self.rope_type not in ("default", LONGROPE):
+            raise ValueError(f"partial rotary with rope_type {self.rope_type!r} unsupported")
+        if self.rope_type == LONGROPE and (
+            self.original_max_position_embeddings is None or not self.short_factor or not self.long_factor
+        ):
+            raise ValueError("longrope needs short_factor, long_factor and original_max_position_embeddings")
         if not self.theta > 0 or not self.factor > 0:
             raise ValueError(f"rope theta={self.theta} and factor={self.factor} must be > 0")
         if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
@@ -63,6 +79,15 @@ class RopeConfig:
                 f"llama3 rope needs high_freq_factor > low_freq_factor; got "
                 f"{self.high_freq_factor} <= {self.low_freq_factor}"
             )
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many leading dims of each head rotate (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(head_dim * self.partial_rotary_factor)
+
+    @property
+    def long_factor_after(self) -> int | None:
+        """LongRoPE: a sequence with more tokens than this uses the long factors (None: one factor set)."""
+        return self.original_max_position_embeddings if self.rope_type == LONGROPE else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +176,9 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_positions: int) -> RopeConf
     params.pop("type", None)
     partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise ValueError(f"{path}: partial_rotary_factor={partial} unsupported; expected 1.0")
+        raise ValueError(
+            f"{path}: partial_rotary_factor={partial} unsupported; expected 1.0 (partial rotary: Phi3 only)"
+        )
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{path}: rope type {rope_type!r} unsupported (its frequencies depend on the sequence length "
@@ -181,10 +208,10 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_positions: int) -> RopeConf
 def _sliding_window(raw: dict[str, Any], model_type: str, path: Path, num_layers: int) -> int | None:
     """One window for every layer, or None; per-layer windows (Qwen2 max_window_layers) are refused."""
     # transformers' Mistral and Qwen2 configs default an absent window to 4096.
-    window = raw.get("sliding_window", 4096)
+    window = raw.get("sliding_window", None if model_type == "phi3" else 4096)
     if model_type == "llama" or window is None:
         return None
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):  # every layer (transformers' Phi3 masks all layers alike)
         return int(window)
     if not raw.get("use_sliding_window", False):
         return None
@@ -262,7 +289,11 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _token_ids(gen.get("eos_token_id"), gen_path) or _token_ids(raw.get("eos_token_id"), path)
     bos = raw.get("bos_token_id", gen.get("bos_token_id"))
-    rope = _parse_rope(raw, path, max_positions)
+    head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
+    if model_type == "phi3":
+        rope = _checked(path, RopeConfig, **phi3_rope_fields(raw, path, max_positions, head_dim))
+    else:
+        rope = _parse_rope(raw, path, max_positions)
     sliding_window = _sliding_window(raw, model_type, path, num_layers)
     return _checked(
         path,
@@ -275,7 +306,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
         rope=rope,

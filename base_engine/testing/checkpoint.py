@@ -1,7 +1,7 @@
 """Tiny random-weight Hugging Face checkpoints and a locally trained tokenizer, for tests and demos.
 
 The checkpoint is what `transformers` `save_pretrained(safe_serialization=True)` writes for
-LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM (config.json, model.safetensors,
+LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Phi3ForCausalLM (config.json, model.safetensors,
 generation_config.json), plus a byte-level BPE tokenizer (GPT-2 / Llama-3 style byte-level
 pre-tokenizer) with Llama-3's special tokens and chat template format, so the engine loads it exactly
 as it would load a published checkpoint. Nothing is downloaded.
@@ -22,6 +22,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -35,6 +37,7 @@ _ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
 }
 
 
@@ -64,6 +67,8 @@ def _build_config(arch: str, overrides: dict[str, Any]) -> PreTrainedConfig:
     if arch == "mistral":
         # Mistral defaults to a 4096 window; none means full attention, which every engine can serve.
         overrides.setdefault("sliding_window", None)
+    if arch == "phi3":
+        overrides.setdefault("pad_token_id", None)  # Phi3Config's 32000 lies outside a tiny vocabulary
     return config_cls(**overrides)
 
 
