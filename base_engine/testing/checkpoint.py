@@ -11,6 +11,7 @@ The tokenizer is built by tiny_tokenizer.py and its chat formats come from tiny_
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,7 @@ def save_random_checkpoint(
         "eos_token_id": end_of_text_id,
         **config_overrides,
     }
-    config = _build_config(arch, fields)
+    config = _build_config(arch, copy.deepcopy(fields))  # transformers edits nested dicts (rope_scaling)
     _, model_cls = _ARCHS[arch]
     torch.manual_seed(seed)
     model = model_cls(config)

@@ -17,14 +17,10 @@ from base_engine.engine_config import EngineConfig
 from base_engine.outputs import RequestOutput
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
+from tests.harness.models import PHI3_LONGROPE, PHI3_LONGROPE_ORIGINAL
 
 MAX_NEW = 10
-ORIGINAL = 32  # LongRoPE's original context in the tiny checkpoint
-LONGROPE = {
-    "rope_type": "longrope",
-    "short_factor": [1.0 + 0.3 * i for i in range(6)],  # rotary_dim 12 (head 16 * 0.75): 6 frequencies
-    "long_factor": [3.0 + 2.0 * i for i in range(6)],
-}
+ORIGINAL = PHI3_LONGROPE_ORIGINAL
 VARIANTS: dict[str, dict] = {
     "phi3-partial-tied": {
         "arch": "phi3",
@@ -32,16 +28,7 @@ VARIANTS: dict[str, dict] = {
         "partial_rotary_factor": 0.75,
         "tie_word_embeddings": True,
     },
-    # Phi-4-mini-shaped: partial rotary, tied, LongRoPE with max_position_embeddings 8x the original.
-    "phi3-longrope": {
-        "arch": "phi3",
-        "seed": 8,
-        "partial_rotary_factor": 0.75,
-        "tie_word_embeddings": True,
-        "rope_scaling": LONGROPE,
-        "original_max_position_embeddings": ORIGINAL,
-        "max_position_embeddings": 8 * ORIGINAL,
-    },
+    "phi3-longrope": PHI3_LONGROPE,
     # Phi-3-mini-4k-shaped: every layer slides (its published window is 2047).
     "phi3-window": {"arch": "phi3", "seed": 9, "sliding_window": 12},
 }
@@ -61,10 +48,13 @@ def _prompts(variant: str) -> list[list[int]]:
     return first + [p[:16] + q for p, q in zip(first, random_prompts(4, 500, 3, 9, seed=4), strict=True)]
 
 
-def _run(model_dir: Path, prompts: list[list[int]], *, attention: str, chunk: int) -> list[RequestOutput]:
+def _run(
+    model_dir: Path, prompts: list[list[int]], *, attention: str, chunk: int, num_kv_blocks: int = 128
+) -> list[RequestOutput]:
     config = EngineConfig(
-        num_kv_blocks=128, block_size=4, max_num_batched_tokens=chunk, max_num_seqs=8, attention=attention
-    )
+        num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=chunk, max_num_seqs=8,
+        attention=attention,
+    )  # fmt: skip
     engine = LLMEngine(model_dir, config=config)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
     finals: dict[str, RequestOutput] = {}
@@ -74,6 +64,7 @@ def _run(model_dir: Path, prompts: list[list[int]], *, attention: str, chunk: in
         while engine.has_unfinished:
             finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert engine.runner.use_paged == (attention == "paged")
+    assert num_kv_blocks >= 128 or engine.scheduler.num_preemptions > 0, "the pool was meant to preempt"
     return [finals[str(i)] for i in range(len(prompts))]
 
 
@@ -98,8 +89,20 @@ def references(make_checkpoint, hf_model_cache) -> Callable[[str], tuple[Path, l
 @pytest.mark.parametrize("attention", ["buckets", "paged"])
 @pytest.mark.parametrize("chunk", [16, 512], ids=["chunked", "whole"])
 def test_phi3_matches_transformers(variant: str, attention: str, chunk: int, references) -> None:
+    _check(variant, references, attention=attention, chunk=chunk)
+
+
+@pytest.mark.slow
+def test_phi3_longrope_under_preemption(references) -> None:
+    """A pool too small for the wave: preempted requests (long, crossing, short) recompute with the factor
+    set their length calls for."""
+    _check("phi3-longrope", references, attention="buckets", chunk=16, num_kv_blocks=30)
+
+
+def _check(variant: str, references, **run: int | str) -> None:
     model_dir, prompts, refs = references(variant)
-    outputs = _run(model_dir, prompts, attention=attention, chunk=chunk)
+    outputs = _run(model_dir, prompts, **run)  # type: ignore[arg-type]
+    attention, chunk = run["attention"], run["chunk"]
     compared = 0
     for i, (out, (ref_tokens, ref_lps)) in enumerate(zip(outputs, refs, strict=True)):
         assert out.finish_reason == "length", out.error
