@@ -1,8 +1,9 @@
 """Phi-3 / Phi-3.5 / Phi-4 / Phi-4-mini (`Phi3ForCausalLM`) RoPE settings, read as transformers' `Phi3Config`
 reads them (transformers 5.24, `configuration_phi3.py` + `modeling_rope_utils.py`).
 
-- `rope_scaling` (published configs) or `rope_parameters` (transformers 5): type "longrope", its old name
-  "su", or "yarn" (which `Phi3Config` also renames to longrope), else the default rotation.
+- `rope_scaling` (published configs) or `rope_parameters` (transformers 5): type "longrope" or the default
+  rotation. LongRoPE's old names "su" and "yarn" are refused: `Phi3Config` renames them to longrope only
+  after its defaults are filled in, so transformers 5 cannot load such a config (there is no reference).
 - `partial_rotary_factor` (Phi-4-mini: 0.75): only the first int(head_dim * factor) dims of each head
   rotate; the rest pass through.
 - LongRoPE (Ding et al. 2024, "LongRoPE", arXiv:2402.13753): `short_factor` / `long_factor` divide the
@@ -22,7 +23,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-_LONGROPE_NAMES = ("longrope", "su", "yarn")
 _KNOWN_KEYS = frozenset(
     {"rope_type", "type", "rope_theta", "partial_rotary_factor", "short_factor", "long_factor", "factor"}
     | {"attention_factor", "original_max_position_embeddings"}
@@ -54,7 +54,12 @@ def phi3_rope_fields(raw: dict[str, Any], path: Path, max_positions: int, head_d
             f"{path}: rope parameters {unknown} unsupported for Phi3; known: {sorted(_KNOWN_KEYS)}"
         )
     name = params.get("rope_type") or params.get("type") or "default"
-    if name not in ("default", *_LONGROPE_NAMES):
+    if name in ("su", "yarn"):
+        raise ValueError(
+            f"{path}: Phi3 rope type {name!r} (an old name of LongRoPE) unsupported: transformers 5 does not "
+            "load it either; expected 'longrope' (as the current Phi-3 configs write it)"
+        )
+    if name not in ("default", "longrope"):
         raise ValueError(f"{path}: Phi3 rope type {name!r} unsupported; expected 'default' or 'longrope'")
     partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     if int(head_dim * partial) % 2:
