@@ -49,13 +49,29 @@ def _prompts(variant: str) -> list[list[int]]:
 
 
 def _run(
-    model_dir: Path, prompts: list[list[int]], *, attention: str, chunk: int, num_kv_blocks: int = 128
+    model_dir: Path,
+    prompts: list[list[int]],
+    *,
+    attention: str,
+    chunk: int,
+    num_kv_blocks: int = 128,
+    graphs: bool = False,
 ) -> list[RequestOutput]:
     config = EngineConfig(
         num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=chunk, max_num_seqs=8,
         attention=attention,
     )  # fmt: skip
     engine = LLMEngine(model_dir, config=config)
+    replays = {"n": 0}
+    if graphs:  # the CUDA-graph decode path's static buffers, replayed eagerly (no GPU here)
+        engine.graphs = engine.make_decode_graphs(capture=False)
+        replay = engine.graphs.replay
+
+        def counted(batch):
+            replays["n"] += 1
+            return replay(batch)
+
+        engine.graphs.replay = counted
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
     finals: dict[str, RequestOutput] = {}
     for first in (0, 4):  # the second wave runs after the first: its blocks are cached
@@ -65,6 +81,7 @@ def _run(
             finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert engine.runner.use_paged == (attention == "paged")
     assert num_kv_blocks >= 128 or engine.scheduler.num_preemptions > 0, "the pool was meant to preempt"
+    assert replays["n"] > 0 or not graphs, "no decode step went through the graph buffers"
     return [finals[str(i)] for i in range(len(prompts))]
 
 
@@ -99,7 +116,13 @@ def test_phi3_longrope_under_preemption(references) -> None:
     _check("phi3-longrope", references, attention="buckets", chunk=16, num_kv_blocks=30)
 
 
-def _check(variant: str, references, **run: int | str) -> None:
+@pytest.mark.slow
+def test_phi3_longrope_on_the_graph_decode_path(references) -> None:
+    """Decode-only steps in the CUDA-graph buffers: long-factor rows read the long half of the table."""
+    _check("phi3-longrope", references, attention="paged", chunk=16, graphs=True)
+
+
+def _check(variant: str, references, **run: int | str | bool) -> None:
     model_dir, prompts, refs = references(variant)
     outputs = _run(model_dir, prompts, **run)  # type: ignore[arg-type]
     attention, chunk = run["attention"], run["chunk"]
