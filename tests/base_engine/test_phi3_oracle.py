@@ -135,6 +135,7 @@ def _check(variant: str, references, **run: int | str | bool) -> None:
     assert any(o.num_cached_tokens > 0 for o in outputs[4:]), "the second wave must hit the prefix cache"
 
 
+@pytest.mark.slow
 def test_longrope_switch_matters_where_the_test_looks(references) -> None:
     """The past-the-original and crossing prompts really depend on the switch: at the first step with
     more than ORIGINAL tokens, transformers' answer with the short factors kept (never switched) differs."""
