@@ -13,7 +13,7 @@ from adapters.types import AdapterFormatError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "phi3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 # Fields whose non-default value changes what the adapter computes in a way the engine cannot reproduce.
 REFUSED_WHEN_SET: dict[str, str] = {

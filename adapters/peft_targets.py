@@ -1,4 +1,4 @@
-"""Which modules a PEFT LoRA config targets on a llama/mistral/qwen2/phi3 base model, following
+"""Which modules a PEFT LoRA config targets on a llama/mistral/qwen2/qwen3/phi3 base model, following
 `peft.tuners.tuners_utils.check_target_module_exists`: a `target_modules` string is a regex full match, a
 list matches exact names or `.`-suffixes, `exclude_modules` first, then `layers_to_transform` /
 `layers_pattern`. Tenant regexes are matched by RE2 (adapters/safe_regex.py); anything outside the
@@ -21,10 +21,12 @@ DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "v_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
 _PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _PARENT |= {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+# Model types whose attention holds q_norm / k_norm modules (a pattern that selects them is refused).
+QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3",)
 
 
 def module_keys(base: BaseModelShapes) -> list[str]:
-    """Every `named_modules()` key of the transformers *ForCausalLM model for llama/mistral/qwen2/phi3."""
+    """Every `named_modules()` key of transformers' *ForCausalLM for llama/mistral/qwen2/qwen3/phi3."""
     fused = base.model_type in FUSED_MODEL_TYPES
     keys = ["", "model", "model.embed_tokens", "model.layers"]
     for i in range(base.num_layers):
@@ -37,6 +39,8 @@ def module_keys(base: BaseModelShapes) -> list[str]:
             else ("gate_proj", "up_proj", "down_proj", "act_fn")
         )
         keys += [layer, f"{layer}.self_attn"] + [f"{layer}.self_attn.{m}" for m in attention]
+        if base.model_type in QK_NORM_MODEL_TYPES:
+            keys += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
         keys += [f"{layer}.mlp"] + [f"{layer}.mlp.{m}" for m in mlp]
         keys += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
         if fused:  # Phi3DecoderLayer's dropouts

@@ -22,7 +22,7 @@ FUSED_MODEL_TYPES: frozenset[str] = frozenset({"phi3"})
 class BaseModelShapes:
     """What adapter validation needs to know about the base model (built by base_engine)."""
 
-    model_type: str  # "llama" | "mistral" | "qwen2" | "phi3"
+    model_type: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
     num_layers: int
     hidden_size: int
     intermediate_size: int

@@ -271,7 +271,7 @@ def banner(state: AppState) -> str:
             "",
             "  NOTE: this is the random demo model: its weights are RANDOM, so its answers are gibberish.",
             "  Serve the default model (SmolLM2-135M-Instruct) by leaving out --model, or a Hugging Face",
-            "  Llama/Mistral/Qwen2 checkpoint or a .gguf file with:",
+            "  checkpoint of a family in base_engine/model/README.md or a .gguf file with:",
             "      loraserve serve --model /path/to/checkpoint-or-file.gguf",
         ]
     elif state.demo is not None:

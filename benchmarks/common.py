@@ -1,7 +1,10 @@
-"""Shared pieces of the benchmarks: the models (`--model bench-small|smollm2`) and the reference workload.
+"""Shared pieces of the benchmarks: the models (`--model bench-small|bench-qwen3|smollm2`) and the
+reference workload.
 
-"bench-small" is a random Llama made in a temp dir; "smollm2" is the default served model
-(SmolLM2-135M-Instruct), converted once into ./loraserve-data/models like `make serve` does.
+"bench-small" is a random Llama made in a temp dir; "bench-qwen3" a random Qwen3 of the same size class
+(q/k norms, head_dim 128 with 8 heads, so q is twice the hidden size as in Qwen3-0.6B, tied
+embeddings); "smollm2" is the default served model (SmolLM2-135M-Instruct), converted once into
+./loraserve-data/models like `make serve` does.
 """
 
 from __future__ import annotations
@@ -10,13 +13,13 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from base_engine.testing.checkpoint import save_random_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("bench-small", "smollm2")
 BENCH_SMALL = dict(
     arch="llama",
     hidden_size=512,
@@ -27,6 +30,18 @@ BENCH_SMALL = dict(
     vocab_size=32000,
     max_position_embeddings=2048,
 )
+# Random benchmark models (save_random_checkpoint kwargs), written under the benchmark's temp dir.
+RANDOM_MODELS: dict[str, dict[str, Any]] = {
+    "bench-small": BENCH_SMALL,
+    "bench-qwen3": {
+        **BENCH_SMALL,
+        "arch": "qwen3",
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+    },
+}
+MODELS = (*RANDOM_MODELS, "smollm2")
 
 
 @dataclass(frozen=True)
@@ -39,17 +54,13 @@ class Workload:
         return sum(self.output_lens)
 
 
-def bench_small(root: Path) -> Path:
-    path = root / "bench-small"
-    if not (path / "config.json").exists():
-        save_random_checkpoint(path, **BENCH_SMALL)
-    return path
-
-
 def bench_model(name: str, root: Path) -> Path:
-    """The checkpoint directory of benchmark model `name` (bench-small is written under `root`)."""
-    if name == "bench-small":
-        return bench_small(root)
+    """The checkpoint directory of benchmark model `name` (random ones are written under `root` once)."""
+    if name in RANDOM_MODELS:
+        path = root / name
+        if not (path / "config.json").exists():
+            save_random_checkpoint(path, **RANDOM_MODELS[name])
+        return path
     if name == "smollm2":
         from api.checkpoints.sources import ensure_default_model
 

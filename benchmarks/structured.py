@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Timer, bench_small, setup_threads  # noqa: E402
+from benchmarks.common import Timer, bench_model, setup_threads  # noqa: E402
 
 BATCH = 32
 PROMPT_LEN = 32
@@ -134,7 +134,7 @@ def main() -> None:
 
     cases = [0, 1, 8, BATCH]
     with tempfile.TemporaryDirectory() as tmp:
-        model = bench_small(Path(tmp))
+        model = bench_model("bench-small", Path(tmp))
         from base_engine.model.config import load_model_config
 
         config = load_model_config(model)

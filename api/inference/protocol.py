@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI endpoints (openai/openai-openapi `CreateCompletionRequest`,
 `CreateChatCompletionRequest`) plus vLLM's sampling extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`) and our `deterministic` (batch-invariant, api/inference/sampling.py).
+`include_stop_str_in_output`, `chat_template_kwargs`) and our `deterministic` (batch-invariant,
+api/inference/sampling.py).
 
 Unknown fields are refused (`extra="forbid"` -> 400 "Unrecognized request argument supplied: x"),
 as OpenAI does and vLLM does not. Fields OpenAI defines but this server does not implement are
@@ -12,14 +13,31 @@ api/inference/sampling.py, where the error can name the field.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
 
+from adapters.files import json_depth
+from base_engine.model.tokenizer import check_template_variables
 from registry.models import MAX_USER_CHARS
 
 MAX_LOGPROBS = 20  # vLLM's cap; OpenAI allows 5 (completions) and 20 (chat)
+# Nesting of `chat_template_kwargs` (real ones are flat flags such as Qwen3's enable_thinking); the
+# render copies the values recursively, so a value nested some hundreds deep would exhaust the stack.
+MAX_TEMPLATE_KWARGS_DEPTH = 16
+
+
+def _template_kwargs(value: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
+    if value:
+        if json_depth(value, MAX_TEMPLATE_KWARGS_DEPTH) > MAX_TEMPLATE_KWARGS_DEPTH:
+            raise ValueError(f"nests deeper than the limit of {MAX_TEMPLATE_KWARGS_DEPTH} levels")
+        check_template_variables(value)
+    return value
+
+
+# vLLM's `chat_template_kwargs`: an object of JSON values, extra variables for the chat template.
+TemplateKwargs = Annotated[dict[str, JsonValue] | None, AfterValidator(_template_kwargs)]
 
 
 def _unsupported(field: str) -> PydanticCustomError:
@@ -174,6 +192,7 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: Any = None
     reasoning_effort: str | None = None
     web_search_options: Any = None
+    chat_template_kwargs: TemplateKwargs = None
 
     @field_validator(
         "store",

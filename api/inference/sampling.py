@@ -130,11 +130,19 @@ def encode_chat_prompt(
     messages = template_messages(body, tools)
     kwargs = {"tools": template_tools(tools)} if tools is not None else {}
     try:
-        text = render_chat(tokenizer, messages, **kwargs)
+        text = render_chat(tokenizer, messages, variables=body.chat_template_kwargs, **kwargs)
     except ValueError as exc:
-        raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+        raise template_error(exc, body.chat_template_kwargs) from None
     refuse_unfittable_text(tokenizer, text, max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def template_error(exc: ValueError, variables: dict[str, Any] | None) -> APIError:
+    """The 400 for a chat the template would not render; with caller variables, they are named too."""
+    if not variables:
+        return APIError(400, str(exc), param="messages", code="invalid_value")
+    message = f"{exc} (with chat_template_kwargs {sorted(variables)})"
+    return APIError(400, message, param="chat_template_kwargs", code="invalid_value")
 
 
 def refuse_unfittable_text(tokenizer: Any, text: str, max_model_len: int, param: str) -> None:

@@ -17,8 +17,8 @@ from sqlalchemy.orm import Session
 from api.context import Caller
 from api.errors import APIError
 from api.inference.planning import resolve_model
-from api.inference.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
-from api.inference.sampling import refuse_unfittable_text
+from api.inference.protocol import ChatCompletionRequest, ChatMessage, TemplateKwargs, ToolDefinition
+from api.inference.sampling import refuse_unfittable_text, template_error
 from api.inference.tools import plan_tools, template_messages, template_tools
 from base_engine.async_engine import AsyncEngine
 from base_engine.model.tokenizer import render_chat
@@ -43,6 +43,7 @@ class TokenizeChatRequest(_Strict):
     add_special_tokens: bool = False  # the template writes BOS itself
     return_token_strs: bool = False
     tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: TemplateKwargs = None
 
 
 class DetokenizeRequest(_Strict):
@@ -72,10 +73,11 @@ def _token_ids(engine: AsyncEngine, body: TokenizeCompletionRequest | TokenizeCh
             tokenizer,
             template_messages(chat, tools),
             add_generation_prompt=body.add_generation_prompt,
+            variables=body.chat_template_kwargs,
             **kwargs,
         )
     except ValueError as exc:
-        raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+        raise template_error(exc, body.chat_template_kwargs) from None
     refuse_unfittable_text(tokenizer, text, engine.max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
 

@@ -1,10 +1,11 @@
 """The base model's configuration, from a Hugging Face checkpoint's config.json and generation_config.json.
 
-Follows the `transformers` config format for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM,
-both as published checkpoints write it (`rope_theta` + `rope_scaling` with `rope_type` or the legacy
+Follows the `transformers` config format for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM and Phi3ForCausalLM (its RoPE fields in phi3.py), both as published checkpoints write it (`rope_theta` + `rope_scaling` with `rope_type` or the legacy
 `type` key, `torch_dtype`) and as `transformers` 5 writes it (`rope_parameters`, `dtype`). Anything the
 engine could not reproduce exactly (another activation, dynamic/long RoPE, quantized weights, per-layer
-sliding windows) is refused here with the file and field named, never approximated.
+sliding windows) is refused here with the file and field named, never approximated; so is an architecture
+we do not serve, with the piece it lacks (unsupported.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import torch
 
 from adapters.types import BaseModelShapes
 from base_engine.model.phi3 import phi3_rope_fields
+from base_engine.model.unsupported import MODEL_TABLE, architecture_refusal
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3ForCausalLM": "qwen3",
 }
 # RoPE variants whose inverse frequencies are fixed at load time (rope.py reproduces them exactly).
 # "dynamic" and "longrope" change frequencies with the sequence length at run time: refused, except
@@ -36,7 +39,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 # transformers' defaults for fields a config.json may leave out, per model_type.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "phi3": 4096}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
+# Qwen3's head_dim defaults to 128 whatever hidden/heads is; the others derive it.
+_DEFAULT_HEAD_DIM = {"qwen3": 128}
 _T = TypeVar("_T")
 _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
@@ -106,14 +111,17 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     rope: RopeConfig
-    attention_bias: bool  # bias on q/k/v (Qwen2 always; Llama from `attention_bias`)
-    o_proj_bias: bool  # Llama's `attention_bias` also biases o_proj; Qwen2's does not
+    attention_bias: bool  # bias on q/k/v (Qwen2 always; Llama and Qwen3 from `attention_bias`)
+    o_proj_bias: bool  # Llama's and Qwen3's `attention_bias` also biases o_proj; Qwen2's does not
     mlp_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None  # effective window for every layer; None = full attention
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: torch.dtype
+    # q/k norm: an RMSNorm over head_dim on every query and key head, after the projection and
+    # before RoPE (Qwen3's q_norm / k_norm, weights `self_attn.{q,k}_norm.weight`).
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
@@ -182,7 +190,7 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_positions: int) -> RopeConf
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{path}: rope type {rope_type!r} unsupported (its frequencies depend on the sequence length "
-            f"or are not implemented); expected one of {SUPPORTED_ROPE_TYPES}"
+            f"or are not implemented); expected one of {SUPPORTED_ROPE_TYPES}, see {MODEL_TABLE}"
         )
     original = params.pop("original_max_position_embeddings", None)
     if rope_type in ("llama3", "yarn") and original is None:
@@ -238,9 +246,7 @@ def _architecture(raw: dict[str, Any], path: Path) -> tuple[str, str]:
     archs = raw.get("architectures") or []
     arch = archs[0] if len(archs) == 1 else None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{path}: architectures={archs!r} unsupported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise ValueError(f"{path}: {architecture_refusal(archs, sorted(SUPPORTED_ARCHITECTURES))}")
     model_type = SUPPORTED_ARCHITECTURES[arch]
     if raw.get("model_type", model_type) != model_type:
         raise ValueError(f"{path}: model_type={raw['model_type']!r} does not match {arch} ({model_type!r})")
@@ -285,11 +291,13 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     )
     max_positions = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type])
     is_llama = model_type == "llama"
+    # Llama's and Qwen3's `attention_bias` biases q/k/v and o; Qwen2 always biases q/k/v only.
+    attention_bias = model_type in ("llama", "qwen3") and bool(raw.get("attention_bias", False))
     gen_path = Path(model_dir) / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _token_ids(gen.get("eos_token_id"), gen_path) or _token_ids(raw.get("eos_token_id"), path)
     bos = raw.get("bos_token_id", gen.get("bos_token_id"))
-    head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
+    head_dim = int(raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type, hidden_size // num_heads))
     if model_type == "phi3":
         rope = _checked(path, RopeConfig, **phi3_rope_fields(raw, path, max_positions, head_dim))
     else:
@@ -310,12 +318,13 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
         rope=rope,
-        attention_bias=model_type == "qwen2" or (is_llama and bool(raw.get("attention_bias", False))),
-        o_proj_bias=is_llama and bool(raw.get("attention_bias", False)),
+        attention_bias=model_type == "qwen2" or attention_bias,
+        o_proj_bias=attention_bias,
         mlp_bias=is_llama and bool(raw.get("mlp_bias", False)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         sliding_window=sliding_window,
         eos_token_ids=eos,
         bos_token_id=bos if isinstance(bos, int) else None,
         dtype=_dtype(raw, path),
+        qk_norm=model_type == "qwen3",
     )

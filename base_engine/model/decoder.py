@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Module and parameter names mirror the Hugging Face checkpoints, except that q/k/v and gate/up are
 packed into one projection each (one matmul instead of three/two); `PACKED` maps checkpoint names to
@@ -72,6 +72,9 @@ class Attention(nn.Module):
         out = self.q_size + 2 * self.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, out, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # q/k norm (ModelConfig.qk_norm): one RMSNorm over head_dim shared by all heads.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -86,8 +89,12 @@ class Attention(nn.Module):
         if lora is not None:
             lora.apply(self.layer, "qkv_proj", qkv, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        if self.q_norm is not None and self.k_norm is not None:  # after the LoRA deltas, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, *cos_sin)
+        k = apply_rope(k, *cos_sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         attn = attend(q, k, v, kv_cache, meta, self.scale).view(num_tokens, self.q_size)

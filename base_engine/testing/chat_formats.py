@@ -1,7 +1,7 @@
-"""Chat formats of the tiny test checkpoints: Llama 3's special tokens and three chat templates in the
-shape of Llama 3.1 instruct, Qwen2.5 (Hermes-style <tool_call> blocks) and Mistral v0.3 ([TOOL_CALLS]),
-each with the tokens its tool-call syntax needs. Used by tiny_tokenizer.py; the templates are our own
-Jinja, written to the published templates' shape."""
+"""Chat formats of the tiny test checkpoints: Llama 3's special tokens and four chat templates in the
+shape of Llama 3.1 instruct, Qwen2.5 (Hermes-style <tool_call> blocks), Qwen3 (Hermes plus the
+`enable_thinking` switch) and Mistral v0.3 ([TOOL_CALLS]), each with the tokens its syntax needs.
+Used by tiny_tokenizer.py; the templates are our own Jinja, written to the published templates' shape."""
 
 from __future__ import annotations
 
@@ -88,6 +88,17 @@ HERMES_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen3's template shape: Hermes turns; the generation prompt opens the assistant turn, and with
+# `enable_thinking` false it writes an empty <think></think> block so the model answers directly.
+_HERMES_GENERATION_PROMPT = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+QWEN3_TEMPLATE = HERMES_TEMPLATE.removesuffix(_HERMES_GENERATION_PROMPT) + (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
 # Mistral v0.3's template shape: [AVAILABLE_TOOLS] before the last user turn, calls after [TOOL_CALLS]
 # as one JSON list, results in [TOOL_RESULTS] (call ids of 9 characters).
 MISTRAL_TEMPLATE = (
@@ -142,6 +153,13 @@ CHAT_FORMATS: dict[str, ChatFormat] = {
         "<|im_end|>",
         extra_special=("<|im_start|>", "<|im_end|>"),
         extra_added=("<tool_call>", "</tool_call>"),
+    ),
+    "qwen3": ChatFormat(
+        QWEN3_TEMPLATE,
+        BOS_TOKEN,
+        "<|im_end|>",
+        extra_special=("<|im_start|>", "<|im_end|>"),
+        extra_added=("<tool_call>", "</tool_call>", "<think>", "</think>"),
     ),
     "mistral": ChatFormat(
         MISTRAL_TEMPLATE,

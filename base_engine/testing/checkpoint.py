@@ -1,10 +1,10 @@
 """Tiny random-weight Hugging Face checkpoints and a locally trained tokenizer, for tests and demos.
 
 The checkpoint is what `transformers` `save_pretrained(safe_serialization=True)` writes for
-LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Phi3ForCausalLM (config.json, model.safetensors,
-generation_config.json), plus a byte-level BPE tokenizer (GPT-2 / Llama-3 style byte-level
-pre-tokenizer) with Llama-3's special tokens and chat template format, so the engine loads it exactly
-as it would load a published checkpoint. Nothing is downloaded.
+LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Phi3ForCausalLM
+(config.json, model.safetensors, generation_config.json), plus a byte-level BPE tokenizer (GPT-2 /
+Llama-3 style byte-level pre-tokenizer) with Llama-3's special tokens and chat template format, so the
+engine loads it exactly as it would load a published checkpoint. Nothing is downloaded.
 
 The tokenizer is built by tiny_tokenizer.py and its chat formats come from tiny_chat_formats.py.
 """
@@ -29,6 +29,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from base_engine.testing.chat_formats import END_OF_TEXT_TOKEN
@@ -39,6 +41,7 @@ _ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
 
 

@@ -109,8 +109,9 @@ def build_tokenizer(vocab_size: int = 512, chat_format: str = "llama3") -> PreTr
     """A byte-level BPE tokenizer of at most `vocab_size` ids with Llama-3 specials and chat template.
 
     Same vocabulary on every call. Specials take the last ids: bos `<|begin_of_text|>`, eos `<|eot_id|>`.
-    `chat_format` "hermes" (Qwen2.5's ChatML + <tool_call>) or "mistral" (v0.3's [INST] + [TOOL_CALLS])
-    adds that family's tokens after Llama 3's and uses its template, bos and eos instead.
+    `chat_format` "hermes" (Qwen2.5's ChatML + <tool_call>), "qwen3" (hermes + <think>, enable_thinking)
+    or "mistral" (v0.3's [INST] + [TOOL_CALLS]) adds that family's tokens after Llama 3's and uses its
+    template, bos and eos instead.
     """
     if vocab_size < MIN_TOKENIZER_VOCAB:
         raise ValueError(f"tokenizer vocab_size={vocab_size} too small; expected >= {MIN_TOKENIZER_VOCAB}")

@@ -98,9 +98,17 @@ def test_ranks_and_scales_per_module(tmp_path: Path) -> None:
 
 
 def test_module_keys_match_transformers() -> None:
-    for model_type in ("llama", "mistral", "qwen2", "phi3"):
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         names = [name for name, _ in tiny_model(model_type).named_modules()]
         assert module_keys(tiny_shapes(model_type)) == names
+
+
+def test_a_pattern_that_selects_qwen3_q_norm_is_refused(tmp_path: Path) -> None:
+    """PEFT cannot wrap an RMSNorm; a pattern reaching q_norm / k_norm is refused, not narrowed."""
+    adapter_dir = save_peft_adapter(tmp_path / "a", target_modules=["q_proj", "v_proj"])
+    edit_config(adapter_dir, target_modules=r".*self_attn\..*")
+    with pytest.raises(AdapterFormatError, match=r"selects 'model\.layers\.0\.self_attn\.q_norm'"):
+        load_adapter(adapter_dir, base=tiny_shapes("qwen3"))
 
 
 def test_null_target_modules_uses_peft_defaults(tmp_path: Path) -> None:

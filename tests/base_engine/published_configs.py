@@ -1,6 +1,6 @@
-"""Published config.json files (Llama 3.1 8B, Mistral 7B v0.1, Qwen2 7B) and the helpers that write them
-into a model directory and compare our parse with transformers' AutoConfig; shared by test_config.py and
-test_config_fields.py.
+"""Published config.json files (Llama 3.1 8B, Mistral 7B v0.1, Qwen2 7B, Qwen3 0.6B) and the helpers
+that write them into a model directory and compare our parse with transformers' AutoConfig; shared by
+test_config.py, test_config_fields.py and test_unsupported.py.
 """
 
 from __future__ import annotations
@@ -94,6 +94,35 @@ QWEN2_7B: dict[str, Any] = {
     "use_cache": True,
     "use_sliding_window": False,
     "vocab_size": 152064,
+}
+
+QWEN3_0_6B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 

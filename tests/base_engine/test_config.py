@@ -22,6 +22,7 @@ from tests.base_engine.published_configs import (
     LLAMA31_8B_INSTRUCT_GENERATION,
     MISTRAL_7B_V01,
     QWEN2_7B,
+    QWEN3_0_6B,
     assert_matches_transformers,
     write_config,
 )
@@ -47,8 +48,10 @@ def test_tiny_checkpoints_parse_like_transformers(fixture: str, request: pytest.
         {"arch": "mistral"},
         {"arch": "qwen2"},
         {"arch": "llama", "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 1},
+        {"arch": "qwen3", "head_dim": 32},
+        {"arch": "qwen3", "head_dim": 32, "attention_bias": True},
     ],
-    ids=["llama", "llama-bias", "mistral", "qwen2", "llama-head_dim-mqa"],
+    ids=["llama", "llama-bias", "mistral", "qwen2", "llama-head_dim-mqa", "qwen3", "qwen3-bias"],
 )
 def test_biases_and_shapes_match_the_stored_tensors(
     kwargs: dict[str, Any], make_checkpoint: Callable[..., Path]
@@ -63,6 +66,7 @@ def test_biases_and_shapes_match_the_stored_tensors(
     assert config.attention_bias == (f"{attn}.q_proj.bias" in names) == (f"{attn}.v_proj.bias" in names)
     assert config.o_proj_bias == (f"{attn}.o_proj.bias" in names)
     assert config.mlp_bias == ("model.layers.0.mlp.up_proj.bias" in names)
+    assert config.qk_norm == (f"{attn}.q_norm.weight" in names) == (f"{attn}.k_norm.weight" in names)
     shapes_for_adapters = config.base_shapes()
     for module in LORA_MODULES:
         prefix = attn if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "model.layers.0.mlp"
@@ -139,3 +143,30 @@ def test_qwen2_sliding_on_some_layers_is_refused(tmp_path: Path) -> None:
     raw = {**QWEN2_7B, "use_sliding_window": True, "max_window_layers": 14}
     with pytest.raises(ValueError, match=r"config\.json.*some layers"):
         load_model_config(write_config(tmp_path, raw))
+
+
+def test_qwen3_0_6b(tmp_path: Path) -> None:
+    model_dir = write_config(tmp_path, QWEN3_0_6B)
+    config = load_model_config(model_dir)
+    assert_matches_transformers(config, model_dir)
+    assert config.head_dim == 128 != config.hidden_size // config.num_attention_heads
+    assert config.qk_norm and config.tie_word_embeddings and config.sliding_window is None
+    assert not config.attention_bias and not config.o_proj_bias and not config.mlp_bias
+    assert config.rope.theta == 1_000_000.0 and config.eos_token_ids == (151645,)
+
+
+def test_qwen3_head_dim_defaults_like_transformers(tmp_path: Path) -> None:
+    """Qwen3's head_dim defaults to 128, not hidden / heads (64 here)."""
+    raw = {k: v for k, v in QWEN3_0_6B.items() if k != "head_dim"}
+    model_dir = write_config(tmp_path, raw)
+    assert_matches_transformers(load_model_config(model_dir), model_dir)
+    assert load_model_config(model_dir).head_dim == 128
+
+
+def test_qwen3_sliding_window_like_qwen2(tmp_path: Path) -> None:
+    sliding = {**QWEN3_0_6B, "use_sliding_window": True, "sliding_window": 4096}
+    every = write_config(tmp_path / "every", {**sliding, "max_window_layers": 0})
+    assert set(AutoConfig.from_pretrained(every, local_files_only=True).layer_types) == {"sliding_attention"}
+    assert load_model_config(every).sliding_window == 4096
+    with pytest.raises(ValueError, match=r"config\.json.*some layers"):
+        load_model_config(write_config(tmp_path / "some", {**sliding, "max_window_layers": 14}))

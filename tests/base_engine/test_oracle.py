@@ -1,4 +1,5 @@
-"""Greedy tokens and top-5 logprobs match transformers on tiny Llama / Mistral / Qwen2 checkpoints."""
+"""Greedy tokens and top-5 logprobs match transformers fp32 on a tiny checkpoint of every family
+(tests/harness/families.py), on both attention paths, with and without chunked prefill and prefix hits."""
 
 from __future__ import annotations
 
@@ -7,34 +8,14 @@ import pytest
 from base_engine import LLM, SamplingParams
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
+from tests.harness.families import CHECKPOINTS, FAMILIES
 
 MAX_NEW = 10
 
-VARIANTS = {
-    "llama-gqa": {"arch": "llama"},
-    "llama-tied": {"arch": "llama", "tie_word_embeddings": True, "seed": 3},
-    "llama3-rope-headdim": {
-        "arch": "llama",
-        "head_dim": 32,
-        "seed": 4,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-        "rope_theta": 500000.0,
-    },
-    "mistral": {"arch": "mistral", "seed": 1},
-    "mistral-window": {"arch": "mistral", "seed": 5, "sliding_window": 12},
-    "qwen2-bias": {"arch": "qwen2", "seed": 2},
-}
 
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(CHECKPOINTS))
 def test_greedy_matches_transformers(variant, make_checkpoint, hf_model_cache) -> None:
-    model_dir = make_checkpoint(**VARIANTS[variant])
+    model_dir = make_checkpoint(**CHECKPOINTS[variant])
     hf = hf_model_cache(model_dir)
     llm = LLM(model_dir, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24)
     prompts = random_prompts(4, 500, 3, 30, seed=len(variant))
@@ -56,7 +37,7 @@ def test_chunked_lm_head_matches_transformers(
     import base_engine.model.decoder
 
     monkeypatch.setattr(base_engine.model.decoder, "LOGITS_CHUNK", 97)
-    model_dir = make_checkpoint(**VARIANTS[variant])
+    model_dir = make_checkpoint(**CHECKPOINTS[variant])
     hf = hf_model_cache(model_dir)
     assert hf.config.vocab_size > 97 and hf.config.vocab_size % 97
     llm = LLM(model_dir, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24)
@@ -67,3 +48,30 @@ def test_chunked_lm_head_matches_transformers(
         ref_tokens, ref_lps = hf_greedy(hf, prompt, MAX_NEW)
         compared += assert_greedy_match(out.token_ids, out.logprobs, ref_tokens, ref_lps, label=variant)
     assert compared >= MAX_NEW
+
+
+@pytest.mark.parametrize("attention", ["buckets", "paged"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_path_matches_transformers(
+    family: str, attention: str, make_checkpoint, hf_model_cache
+) -> None:
+    """A second wave of prompts reuses the first wave's prefix blocks; a token budget of 8 chunks every
+    prefill, one of 64 chunks none. Each output is checked against transformers on its own."""
+    model_dir = make_checkpoint(**CHECKPOINTS[family])
+    hf = hf_model_cache(model_dir)
+    first = random_prompts(3, 500, 14, 30, seed=21)
+    second = [p[:12] + q for p, q in zip(first, random_prompts(3, 500, 2, 9, seed=22), strict=True)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
+    refs = [hf_greedy(hf, prompt, MAX_NEW) for prompt in first + second]
+    for budget in (8, 64):
+        llm = LLM(
+            model_dir, num_kv_blocks=64, block_size=4, max_num_batched_tokens=budget, attention=attention
+        )
+        assert llm.engine.runner.use_paged == (attention == "paged")
+        outputs = llm.generate(first, params) + llm.generate(second, params)
+        assert all(out.num_cached_tokens >= 12 for out in outputs[3:]), "the second wave must hit the cache"
+        compared = 0
+        for out, (ref_tokens, ref_lps) in zip(outputs, refs, strict=True):
+            label = f"{family} {attention} budget {budget}"
+            compared += assert_greedy_match(out.token_ids, out.logprobs, ref_tokens, ref_lps, label=label)
+        assert compared >= 3 * MAX_NEW, "too many near-ties: the check compared almost nothing"

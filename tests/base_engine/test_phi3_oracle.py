@@ -2,7 +2,8 @@
 checkpoints with the family's quirks on (fused qkv/gate_up tensors, partial rotary 0.75 with tied
 embeddings as in Phi-4-mini, LongRoPE with prompts past the original context and decodes that cross it,
 a sliding window shorter than the prompts), on both attention paths, with and without chunked prefill,
-with prefix-cache hits; and deterministic mode's batch invariance on LongRoPE."""
+with prefix-cache hits, under preemption and on the CUDA-graph decode buffers; and deterministic mode's
+batch invariance across the LongRoPE switch."""
 
 from __future__ import annotations
 
@@ -17,21 +18,10 @@ from base_engine.engine_config import EngineConfig
 from base_engine.outputs import RequestOutput
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
-from tests.harness.models import PHI3_LONGROPE, PHI3_LONGROPE_ORIGINAL
+from tests.harness.families import CHECKPOINTS, PHI3_ORIGINAL
 
 MAX_NEW = 10
-ORIGINAL = PHI3_LONGROPE_ORIGINAL
-VARIANTS: dict[str, dict] = {
-    "phi3-partial-tied": {
-        "arch": "phi3",
-        "seed": 7,
-        "partial_rotary_factor": 0.75,
-        "tie_word_embeddings": True,
-    },
-    "phi3-longrope": PHI3_LONGROPE,
-    # Phi-3-mini-4k-shaped: every layer slides (its published window is 2047).
-    "phi3-window": {"arch": "phi3", "seed": 9, "sliding_window": 12},
-}
+VARIANTS = ("phi3-longrope", "phi3-partial-tied", "phi3-window")
 
 
 def _prompts(variant: str) -> list[list[int]]:
@@ -92,7 +82,7 @@ def references(make_checkpoint, hf_model_cache) -> Callable[[str], tuple[Path, l
 
     def get(variant: str) -> tuple[Path, list, list]:
         if variant not in built:
-            model_dir = make_checkpoint(**VARIANTS[variant])
+            model_dir = make_checkpoint(**CHECKPOINTS[variant])
             prompts = _prompts(variant)
             hf = hf_model_cache(model_dir)
             built[variant] = (model_dir, prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts])
@@ -102,7 +92,7 @@ def references(make_checkpoint, hf_model_cache) -> Callable[[str], tuple[Path, l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("attention", ["buckets", "paged"])
 @pytest.mark.parametrize("chunk", [16, 512], ids=["chunked", "whole"])
 def test_phi3_matches_transformers(variant: str, attention: str, chunk: int, references) -> None:
@@ -138,7 +128,8 @@ def _check(variant: str, references, **run: int | str | bool) -> None:
 @pytest.mark.slow
 def test_longrope_switch_matters_where_the_test_looks(references) -> None:
     """The past-the-original and crossing prompts really depend on the switch: at the first step with
-    more than ORIGINAL tokens, transformers' answer with the short factors kept (never switched) differs."""
+    more than PHI3_ORIGINAL tokens, transformers' answer with the short factors kept (never switched)
+    differs."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -147,7 +138,7 @@ def test_longrope_switch_matters_where_the_test_looks(references) -> None:
     rotary = hf.model.rotary_emb
     rotary.long_inv_freq = rotary.original_inv_freq.clone()  # what it switches to: the short factors
     for i in (0, 1):  # 40 tokens: long from the prefill; 27 tokens: crosses at decode step 6
-        step = max(0, ORIGINAL + 1 - len(prompts[i]))
+        step = max(0, PHI3_ORIGINAL + 1 - len(prompts[i]))
         tokens, never_switched = hf_greedy(hf.eval(), prompts[i], MAX_NEW)
         assert tokens[:step] == refs[i][0][:step]  # the same context up to the switch
         ref_row, row = refs[i][1][step], never_switched[step]

@@ -132,3 +132,40 @@ def test_missing_tokenizer_files(tiny_llama_dir: Path, tmp_path: Path) -> None:
     shutil.copy(tiny_llama_dir / "config.json", model_dir / "config.json")
     with pytest.raises(FileNotFoundError, match=r"no tokenizer\.json in .*config\.json"):
         load_tokenizer(model_dir)
+
+
+@pytest.mark.parametrize("enable_thinking", [None, True, False])
+def test_template_variables_render_as_transformers_renders_them(tmp_path: Path, enable_thinking) -> None:
+    """Qwen3's `enable_thinking` reaches the template: false writes the empty think block."""
+    build_tokenizer(chat_format="qwen3").save_pretrained(tmp_path)
+    variables = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    ours = render_chat(load_tokenizer(tmp_path), MESSAGES, variables=variables)
+    reference = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True, **variables
+    )
+    assert ours == reference
+    assert ours.endswith("<think>\n\n</think>\n\n") == (enable_thinking is False)
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"add_generation_prompt": False}, r"'add_generation_prompt' would replace"),
+        ({"tools": []}, r"'tools' would replace"),
+        ({"messages": []}, r"'messages' would replace"),
+        ({"raise_exception": 1}, r"'raise_exception' would replace"),
+        ({"namespace": 1}, r"'namespace' would replace"),
+        ({"not-a-name": 1}, r"'not-a-name' is not a name"),
+        ({"_private": 1}, r"'_private' is not a name"),
+    ],
+)
+def test_template_variables_may_not_replace_what_the_render_sets(variables, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        render_chat(build_tokenizer(chat_format="qwen3"), MESSAGES, variables=variables)
+
+
+def test_a_variable_the_template_cannot_use_is_a_value_error() -> None:
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "{{ bos_token + messages[0]['content'] + suffix }}"
+    with pytest.raises(ValueError, match="the chat template rejected"):
+        render_chat(tokenizer, MESSAGES, variables={"suffix": 3})

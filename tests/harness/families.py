@@ -1,0 +1,97 @@
+"""The model families the engine serves, as tiny random checkpoints with each family's quirks on.
+
+`CHECKPOINTS` maps a variant name to `save_random_checkpoint` kwargs (the `make_checkpoint` fixture
+takes them as they are); `FAMILIES` names one variant per family, the one with the most quirks, for
+the heavier tests that run every family on every engine path (tests/base_engine/test_oracle.py,
+test_batch_invariance.py, tests/adapters/test_family_lora.py). A new family adds its variants here
+and its name to `FAMILIES`; sizes stay the tiny defaults (hidden 64, 2 layers, 4 heads, 2 KV heads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    # original_max_position_embeddings 64: prompts + outputs reach past it, and most frequencies of a
+    # 16- or 32-wide head fall in the scaled band, so a wrong scaling changes the tokens.
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+
+
+PHI3_ORIGINAL = 32  # LongRoPE's original context in the Phi-3 checkpoint
+
+CHECKPOINTS: dict[str, dict[str, Any]] = {
+    "llama-gqa": {"arch": "llama"},
+    "llama-tied": {"arch": "llama", "tie_word_embeddings": True, "seed": 3},
+    # Llama 3.1-shaped: llama3 RoPE with an explicit head_dim.
+    "llama3-rope-headdim": {
+        "arch": "llama",
+        "head_dim": 32,
+        "seed": 4,
+        "rope_scaling": _llama3_rope(8.0),
+        "rope_theta": 500000.0,
+    },
+    # Llama 3.2-shaped (1B / 3B): tied embeddings and llama3 RoPE with factor 32.
+    "llama3.2-tied-rope": {
+        "arch": "llama",
+        "tie_word_embeddings": True,
+        "seed": 7,
+        "rope_scaling": _llama3_rope(32.0),
+        "rope_theta": 500000.0,
+    },
+    "mistral": {"arch": "mistral", "seed": 1},
+    # A window shorter than the longer prompts (30 tokens), so it binds.
+    "mistral-window": {"arch": "mistral", "seed": 5, "sliding_window": 12},
+    "qwen2-bias": {"arch": "qwen2", "seed": 2},
+    # Qwen2.5-shaped (0.5B - 3B): q/k/v bias, tied embeddings, rope_theta 1e6.
+    "qwen2.5-tied-bias": {"arch": "qwen2", "tie_word_embeddings": True, "seed": 8, "rope_theta": 1000000.0},
+    # Qwen3-shaped (0.6B - 4B): q/k norms (random weights, not 1), head_dim 32 != hidden 64 / 4 heads,
+    # tied embeddings, no bias.
+    "qwen3": {
+        "arch": "qwen3",
+        "head_dim": 32,
+        "tie_word_embeddings": True,
+        "seed": 6,
+        "rope_theta": 1000000.0,
+        "chat_format": "qwen3",  # Hermes turns plus enable_thinking
+    },
+    # Phi-3 (Phi3ForCausalLM) checkpoints store qkv_proj / gate_up_proj fused. Phi-4-mini-shaped: partial
+    # rotary 0.75 (head 16: 12 rotating dims, 6 frequencies), tied, LongRoPE with an original context of
+    # PHI3_ORIGINAL tokens and max_position_embeddings 8x that, so prompts pass it and decodes cross it.
+    "phi3-longrope": {
+        "arch": "phi3",
+        "seed": 8,
+        "partial_rotary_factor": 0.75,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.3 * i for i in range(6)],
+            "long_factor": [3.0 + 2.0 * i for i in range(6)],
+        },
+        "original_max_position_embeddings": PHI3_ORIGINAL,
+        "max_position_embeddings": 8 * PHI3_ORIGINAL,
+    },
+    "phi3-partial-tied": {
+        "arch": "phi3",
+        "seed": 7,
+        "partial_rotary_factor": 0.75,
+        "tie_word_embeddings": True,
+    },
+    # Phi-3-mini-4k-shaped: every layer slides (its published window is 2047), here shorter than prompts.
+    "phi3-window": {"arch": "phi3", "seed": 9, "sliding_window": 12},
+}
+
+# One variant per family: each runs on every engine path, with adapters and in deterministic mode.
+FAMILIES: tuple[str, ...] = (
+    "llama3.2-tied-rope",
+    "mistral-window",
+    "qwen2.5-tied-bias",
+    "qwen3",
+    "phi3-longrope",
+)
