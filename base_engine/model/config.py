@@ -1,11 +1,12 @@
 """The base model's configuration, from a Hugging Face checkpoint's config.json and generation_config.json.
 
 Follows the `transformers` config format for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM and Phi3ForCausalLM (its RoPE fields in phi3.py), both as published checkpoints write it (`rope_theta` + `rope_scaling` with `rope_type` or the legacy
-`type` key, `torch_dtype`) and as `transformers` 5 writes it (`rope_parameters`, `dtype`). Anything the
-engine could not reproduce exactly (another activation, dynamic/long RoPE, quantized weights, per-layer
-sliding windows) is refused here with the file and field named, never approximated; so is an architecture
-we do not serve, with the piece it lacks (unsupported.py).
+Qwen3ForCausalLM and Phi3ForCausalLM (its RoPE fields in phi3.py), both as published checkpoints write
+it (`rope_theta` + `rope_scaling` with `rope_type` or the legacy `type` key, `torch_dtype`) and as
+`transformers` 5 writes it (`rope_parameters`, `dtype`). Anything the engine could not reproduce exactly
+(another activation, dynamic/long RoPE, quantized weights, per-layer sliding windows) is refused here
+with the file and field named, never approximated; so is an architecture we do not serve, with the piece
+it lacks (unsupported.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The CUDA-graph decode path without a GPU: the same static buffers, padding and in-place refresh,
 run eagerly (capture=False). Decode steps whose batch size and adapter set change from step to step
-give the tokens and logprobs of the ordinary path, and prefill steps fall back to it."""
+give the tokens and logprobs of the ordinary path, and prefill steps fall back to it; for every family
+(tests/harness/families.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from base_engine.engine_config import EngineConfig
 from base_engine.model.config import load_model_config
 from base_engine.runner.cuda_graphs import bucket_sizes
 from tests.harness.engine_inputs import random_prompts
+from tests.harness.families import CHECKPOINTS, FAMILIES
 
 
 def test_bucket_sizes() -> None:
@@ -23,11 +25,19 @@ def test_bucket_sizes() -> None:
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
 
 
+@pytest.fixture(scope="module", params=FAMILIES)
+def model_dir(request: pytest.FixtureRequest, make_checkpoint) -> Path:
+    return make_checkpoint(**CHECKPOINTS[request.param])
+
+
 @pytest.fixture(scope="module")
-def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    base = load_model_config(tiny_llama_dir).base_shapes()
+def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    base = load_model_config(model_dir).base_shapes()
     root = tmp_path_factory.mktemp("graphs")
-    return [save_random_adapter(root / f"a{i}", base, rank=4, seed=i, std=0.2) for i in range(3)]
+    return [
+        save_random_adapter(root / f"a{i}", base, rank=4, seed=i, std=0.2, modules=base.projections)
+        for i in range(3)
+    ]
 
 
 def _run(model_dir: Path, adapters: list[Path], *, graphs: bool) -> tuple[dict, int]:
@@ -63,9 +73,9 @@ def _run(model_dir: Path, adapters: list[Path], *, graphs: bool) -> tuple[dict, 
     return finals, replays["n"]
 
 
-def test_graph_buffers_replay_like_the_eager_path(tiny_llama_dir: Path, adapters: list[Path]) -> None:
-    expected, _ = _run(tiny_llama_dir, adapters, graphs=False)
-    got, num_replays = _run(tiny_llama_dir, adapters, graphs=True)
+def test_graph_buffers_replay_like_the_eager_path(model_dir: Path, adapters: list[Path]) -> None:
+    expected, _ = _run(model_dir, adapters, graphs=False)
+    got, num_replays = _run(model_dir, adapters, graphs=True)
     assert num_replays >= 5
     assert expected.keys() == got.keys()
     for rid, out in expected.items():

@@ -61,6 +61,16 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "chat_format": "qwen3",  # Hermes turns plus enable_thinking
     },
+    # Qwen3 with use_sliding_window on every layer (max_window_layers 0): one window shorter than the
+    # longer prompts.
+    "qwen3-window": {
+        "arch": "qwen3",
+        "head_dim": 32,
+        "seed": 9,
+        "use_sliding_window": True,
+        "sliding_window": 12,
+        "max_window_layers": 0,
+    },
     # Phi-3 (Phi3ForCausalLM) checkpoints store qkv_proj / gate_up_proj fused. Phi-4-mini-shaped: partial
     # rotary 0.75 (head 16: 12 rotating dims, 6 frequencies), tied, LongRoPE with an original context of
     # PHI3_ORIGINAL tokens and max_position_embeddings 8x that, so prompts pass it and decodes cross it.
