@@ -43,6 +43,17 @@ def _factor_list(params: dict[str, Any], key: str, length: int, path: Path) -> t
     return tuple(float(v) for v in value)
 
 
+def _number(value: Any, key: str, path: Path) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{path}: rope `{key}` must be a positive number; found {value!r}")
+    return float(value)
+
+
 def phi3_rope_fields(raw: dict[str, Any], path: Path, max_positions: int, head_dim: int) -> dict[str, Any]:
     """`RopeConfig` keyword fields for a Phi3 config.json; anything else in its RoPE object is refused."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -61,7 +72,11 @@ def phi3_rope_fields(raw: dict[str, Any], path: Path, max_positions: int, head_d
         )
     if name not in ("default", "longrope"):
         raise ValueError(f"{path}: Phi3 rope type {name!r} unsupported; expected 'default' or 'longrope'")
-    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    partial = _number(
+        params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)),
+        "partial_rotary_factor",
+        path,
+    )
     if int(head_dim * partial) % 2:
         raise ValueError(
             f"{path}: partial_rotary_factor={partial} rotates int({head_dim} * {partial}) dims; expected an "
@@ -69,7 +84,7 @@ def phi3_rope_fields(raw: dict[str, Any], path: Path, max_positions: int, head_d
         )
     fields: dict[str, Any] = {
         "rope_type": "default",
-        "theta": float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        "theta": _number(params.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta", path),
         "partial_rotary_factor": partial,
     }
     if name == "default":
@@ -79,7 +94,7 @@ def phi3_rope_fields(raw: dict[str, Any], path: Path, max_positions: int, head_d
         raise ValueError(f"{path}: original_max_position_embeddings must be an int > 1; found {original!r}")
     num_freqs = int(head_dim * partial) // 2
     factor = params.get("factor")
-    factor = max_positions / original if factor is None else float(factor)
+    factor = max_positions / original if factor is None else _number(factor, "factor", path)
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
@@ -89,5 +104,5 @@ def phi3_rope_fields(raw: dict[str, Any], path: Path, max_positions: int, head_d
         "original_max_position_embeddings": original,
         "short_factor": _factor_list(params, "short_factor", num_freqs, path),
         "long_factor": _factor_list(params, "long_factor", num_freqs, path),
-        "attention_factor": float(attention_factor),
+        "attention_factor": _number(attention_factor, "attention_factor", path),
     }

@@ -200,8 +200,31 @@ def _refused(tmp_path: Path, raw: dict[str, Any], match: str) -> None:
         ),
         ({"partial_rotary_factor": 0.7}, r"rotates int\(96 \* 0.7\) dims; expected an even number"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' unsupported"),
+        ({"rope_theta": "10000"}, r"rope `rope_theta` must be a positive number; found '10000'"),
+        (
+            {
+                "rope_scaling": {
+                    "type": "longrope",
+                    "short_factor": [1.0] * 48,
+                    "long_factor": [1.0] * 48,
+                    "attention_factor": -1.0,
+                }
+            },
+            r"rope `attention_factor` must be a positive number; found -1.0",
+        ),  # fmt: skip
     ],
-    ids=["linear", "dynamic", "short-list", "missing-list", "unknown-key", "su", "odd-rotary", "activation"],
+    ids=[
+        "linear",
+        "dynamic",
+        "short-list",
+        "missing-list",
+        "unknown-key",
+        "su",
+        "odd-rotary",
+        "activation",
+        "theta-string",
+        "negative-attention-factor",
+    ],  # fmt: skip
 )
 def test_what_phi3_cannot_honour_is_refused(tmp_path: Path, change: dict[str, Any], match: str) -> None:
     _refused(tmp_path, PHI3_MINI_4K | change, match)
