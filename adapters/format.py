@@ -35,7 +35,13 @@ from adapters.peft_fields import SUPPORTED_MODEL_TYPES, check_fields, check_type
 from adapters.peft_rank import parse_spec
 from adapters.peft_targets import resolve_targets
 from adapters.safetensors_header import check_header, mapped_tensors
-from adapters.types import LORA_MODULES, AdapterFormatError, AdapterValidationError, BaseModelShapes
+from adapters.types import (
+    FUSED_PROJECTIONS,
+    LORA_MODULES,
+    AdapterFormatError,
+    AdapterValidationError,
+    BaseModelShapes,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +113,32 @@ def parse_adapter(
         a, b = checked_factors(key, module, factors, r, base, dtype)
         check_delta_bound(key, a, b, scale, dtype)
         magnitude = checked_magnitude(key, module, factors, base) if use_dora else None
-        weights[(layer, module)] = LoraPair(a=a, b=b, scale=scale, magnitude=magnitude)
+        pair = LoraPair(a=a, b=b, scale=scale, magnitude=magnitude)
+        weights.update(_split_fused(layer, module, pair, base))
     ranks: dict[str, int] = {}
     for (_, module), pair in weights.items():
         ranks[module] = max(ranks.get(module, 0), pair.a.shape[0])
     rank_by_module = {m: ranks[m] for m in LORA_MODULES if m in ranks}
     return LoraAdapter(rank_by_module=rank_by_module, max_rank=max(ranks.values()), weights=weights)
+
+
+def _split_fused(
+    layer: int, module: str, pair: LoraPair, base: BaseModelShapes
+) -> dict[tuple[int, str], LoraPair]:
+    """A LoRA on a fused projection (Phi-3's qkv_proj: delta = scale * B A x, B [q + k + v, r]) as one pair
+    per part with the same A and B's rows for that part: the parts' deltas are exactly the fused one's
+    rows, which is the layout the slot pool stacks per packed projection. A DoRA magnitude is split by
+    the same rows: its norm is per output row, so each part's rows keep their own."""
+    parts = FUSED_PROJECTIONS.get(module)
+    if parts is None:
+        return {(layer, module): pair}
+    sizes = [base.module_shape(part)[1] for part in parts]
+    rows = pair.b.split(sizes, dim=0)
+    magnitudes = [None] * len(parts) if pair.magnitude is None else pair.magnitude.split(sizes)
+    return {
+        (layer, part): LoraPair(a=pair.a, b=b.contiguous(), scale=pair.scale, magnitude=m)
+        for part, b, m in zip(parts, rows, magnitudes, strict=True)
+    }
 
 
 def load_adapter(

@@ -15,7 +15,9 @@ logger = logging.getLogger(__name__)
 
 # Gemma3ForConditionalGeneration ("gemma3") nests its text model (module keys
 # model.language_model.layers...), which adapter keys do not follow yet: refused by its model_type.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
+)  # fmt: skip
 
 # Fields whose non-default value changes what the adapter computes in a way the engine cannot reproduce.
 REFUSED_WHEN_SET: dict[str, str] = {

@@ -1,8 +1,8 @@
-"""Which modules a PEFT LoRA config targets on a llama/mistral/qwen2/qwen3 base model, following
+"""Which modules a PEFT LoRA config targets on a llama/mistral/qwen2/qwen3/phi3 base model, following
 `peft.tuners.tuners_utils.check_target_module_exists`: a `target_modules` string is a regex full match, a
 list matches exact names or `.`-suffixes, `exclude_modules` first, then `layers_to_transform` /
 `layers_pattern`. Tenant regexes are matched by RE2 (adapters/safe_regex.py); anything outside the
-seven projections is refused."""
+model's projections (the seven, or Phi-3's fused qkv_proj, o_proj, gate_up_proj, down_proj) is refused."""
 
 from __future__ import annotations
 
@@ -12,29 +12,56 @@ from typing import Any
 
 from adapters.peft_fields import check_pattern_budget
 from adapters.safe_regex import LinearPattern, PatternCache
-from adapters.types import LORA_MODULES, AdapterFormatError, BaseModelShapes
+from adapters.types import FUSED_MODEL_TYPES, FUSED_PROJECTIONS, AdapterFormatError, BaseModelShapes
 
-# PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING entry for all three architectures, used when
-# the saved config has `target_modules: null`.
+# PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING entry for llama/mistral/qwen2, used when the
+# saved config has `target_modules: null`; PEFT has no entry for phi3 (it raises "Please specify
+# `target_modules`"), nor do we.
 DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "v_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
 _PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PARENT |= {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 # Model types whose attention holds q_norm / k_norm modules (a pattern that selects them is refused).
 QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3",)
 
 
 def module_keys(base: BaseModelShapes) -> list[str]:
-    """Every `named_modules()` key of the transformers *ForCausalLM model for llama/mistral/qwen2/qwen3."""
+    """Every `named_modules()` key of transformers' *ForCausalLM for llama/mistral/qwen2/qwen3/phi3."""
+    fused = base.model_type in FUSED_MODEL_TYPES
     keys = ["", "model", "model.embed_tokens", "model.layers"]
     for i in range(base.num_layers):
         layer = f"model.layers.{i}"
-        keys += [layer, f"{layer}.self_attn"]
-        keys += [f"{layer}.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        # In transformers' module order (Phi3Attention creates o_proj before qkv_proj).
+        attention = ("o_proj", "qkv_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
+        mlp = (
+            ("gate_up_proj", "down_proj", "activation_fn")
+            if fused
+            else ("gate_proj", "up_proj", "down_proj", "act_fn")
+        )
+        keys += [layer, f"{layer}.self_attn"] + [f"{layer}.self_attn.{m}" for m in attention]
         if base.model_type in QK_NORM_MODEL_TYPES:
             keys += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
-        keys += [f"{layer}.mlp"] + [f"{layer}.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
-        keys += [f"{layer}.mlp.act_fn", f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
+        keys += [f"{layer}.mlp"] + [f"{layer}.mlp.{m}" for m in mlp]
+        keys += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
+        if fused:  # Phi3DecoderLayer's dropouts
+            keys += [f"{layer}.resid_attn_dropout", f"{layer}.resid_mlp_dropout"]
     return keys + ["model.norm", "model.rotary_emb", "lm_head"]
+
+
+def _fused_hint(base: BaseModelShapes, name: str | None = None) -> str:
+    """Why a q_proj-style name finds nothing on a fused model: ' (phi3 fuses q_proj, k_proj, v_proj
+    into qkv_proj: target the fused names)'; without a name, both fusions."""
+    if base.model_type not in FUSED_MODEL_TYPES:
+        return ""
+    fusions = [
+        (fused, parts)
+        for fused, parts in FUSED_PROJECTIONS.items()
+        if name is None or name.rsplit(".", 1)[-1] in parts
+    ]
+    if not fusions:
+        return ""
+    said = "; ".join(f"{', '.join(parts)} into {fused}" for fused, parts in fusions)
+    return f" ({base.model_type} fuses {said}: target the fused names)"
 
 
 def projection_key(layer: int, module: str) -> str:
@@ -135,6 +162,11 @@ def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
         for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern or []:
             _layers_regex(cache, pattern)
     if modules is None:
+        if base.model_type in FUSED_MODEL_TYPES:
+            raise AdapterFormatError(
+                f"adapter_config.json: target_modules is null and PEFT has no default targets for "
+                f"{base.model_type}; expected a list from {base.projections}"
+            )
         modules = list(DEFAULT_TARGET_MODULES)
     if isinstance(modules, list):
         # PEFT silently drops a list entry that names no module; for us that is an unmapped weight set.
@@ -143,11 +175,11 @@ def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
             if not any(key == name or key.endswith(f".{name}") for key in keys):
                 raise AdapterFormatError(
                     f"target_modules entry {name!r} names no module of a {base.model_type} model; "
-                    f"expected projections from {LORA_MODULES}"
+                    f"expected projections from {base.projections}{_fused_hint(base, name)}"
                 )
     if isinstance(modules, str) and modules.lower() == "all-linear":
-        # PEFT expands this to every nn.Linear but the output embedding: exactly the seven projections.
-        modules = [projection_key(i, m) for i in range(base.num_layers) for m in LORA_MODULES]
+        # PEFT expands this to every nn.Linear but the output embedding: exactly the projections.
+        modules = [projection_key(i, m) for i in range(base.num_layers) for m in base.projections]
     return _Targets(
         modules if isinstance(modules, str) else set(modules), exclude, layer_indexes, layers_pattern, cache
     )
@@ -161,15 +193,16 @@ def resolve_targets(cfg: dict[str, Any], base: BaseModelShapes) -> dict[str, tup
         if not targets.matches(key):
             continue
         found = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)", key)
-        if found is None or found.group(2) not in LORA_MODULES:
+        if found is None or found.group(2) not in base.projections:
             raise AdapterFormatError(
                 f"target_modules={cfg.get('target_modules')!r} selects {key!r}, which is not one of the "
-                f"projections {LORA_MODULES}; LoRA on embeddings, lm_head or other modules is not supported"
+                f"projections {base.projections}; LoRA on embeddings, lm_head or other modules is not "
+                "supported"
             )
         resolved[key] = (int(found.group(1)), found.group(2))
     if not resolved:
         raise AdapterFormatError(
-            "adapter targets no projection of the base model "
+            f"adapter targets no projection of the base model{_fused_hint(base)} "
             f"(target_modules={cfg.get('target_modules')!r}, exclude_modules={cfg.get('exclude_modules')!r}, "
             f"layers_to_transform={cfg.get('layers_to_transform')!r}, "
             f"layers_pattern={cfg.get('layers_pattern')!r})"

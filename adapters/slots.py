@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from adapters.format import LoraAdapter, LoraPair
-from adapters.types import BaseModelShapes
+from adapters.types import FUSED_PROJECTIONS, BaseModelShapes
 from kernels.sgmv.layout import alloc_stacks
 
 # Packed projection -> the checkpoint modules it stacks, in output-column order.
 PACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "qkv_proj": FUSED_PROJECTIONS["qkv_proj"],
     "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"),
+    "gate_up_proj": FUSED_PROJECTIONS["gate_up_proj"],
     "down_proj": ("down_proj",),
 }
 

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from adapters.types import LORA_MODULES, BaseModelShapes
 
-_PARENT = {m: "self_attn" for m in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
-    m: "mlp" for m in ("gate_proj", "up_proj", "down_proj")
+_PARENT = {m: "self_attn" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")} | {
+    m: "mlp" for m in ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 }
 
 

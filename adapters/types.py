@@ -12,13 +12,20 @@ import torch
 
 # The seven projections a LoRA adapter may target, in the order the engine stacks them.
 LORA_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Checkpoints that store q/k/v and gate/up as one projection each (transformers' Phi3): a LoRA on such a
+# projection has one A and one B whose rows are the parts' outputs, in this order.
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+FUSED_MODEL_TYPES: frozenset[str] = frozenset({"phi3"})
 
 
 @dataclass(frozen=True, slots=True)
 class BaseModelShapes:
     """What adapter validation needs to know about the base model (built by base_engine)."""
 
-    model_type: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" | "gemma3"
+    model_type: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text" | "gemma3" | "phi3"
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -28,8 +35,15 @@ class BaseModelShapes:
     vocab_size: int
     bias_modules: tuple[str, ...] = ()  # projections with a base bias (Qwen2: q/k/v), in LORA_MODULES
 
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The projections a LoRA may target on this model, as its checkpoint names them."""
+        if self.model_type in FUSED_MODEL_TYPES:
+            return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        return LORA_MODULES
+
     def module_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of one projection, as nn.Linear sees it."""
+        """(in_features, out_features) of one projection (or fused projection), as nn.Linear sees it."""
         q_out = self.num_attention_heads * self.head_dim
         kv_out = self.num_key_value_heads * self.head_dim
         shapes = {
@@ -40,9 +54,11 @@ class BaseModelShapes:
             "gate_proj": (self.hidden_size, self.intermediate_size),
             "up_proj": (self.hidden_size, self.intermediate_size),
             "down_proj": (self.intermediate_size, self.hidden_size),
+            "qkv_proj": (self.hidden_size, q_out + 2 * kv_out),
+            "gate_up_proj": (self.hidden_size, 2 * self.intermediate_size),
         }
         if module not in shapes:
-            raise ValueError(f"unknown projection {module!r}; expected one of {LORA_MODULES}")
+            raise ValueError(f"unknown projection {module!r}; expected one of {tuple(shapes)}")
         return shapes[module]
 
 

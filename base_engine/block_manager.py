@@ -25,12 +25,14 @@ class Block:
 
 
 def prefix_root(seq: Sequence) -> bytes:
-    """Root of the hash chain: adapter identity (id + content hash), the tenant's salt, and whether the
-    blocks were computed batch-invariant (a deterministic request reuses only such blocks)."""
+    """Root of the hash chain: adapter identity (id + content hash), the tenant's salt, whether the
+    blocks were computed batch-invariant (a deterministic request reuses only such blocks) and with
+    LongRoPE's long factors (other K/V for the same tokens)."""
     adapter = seq.adapter
     ident = "" if adapter is None else f"{adapter.id}\x00{adapter.sha256}"
     mode = b"\x02invariant" if seq.deterministic else b""
-    return hashlib.sha256(ident.encode() + b"\x01" + seq.cache_salt + mode).digest()
+    rope = b"\x03long-rope" if seq.is_long_rope else b""
+    return hashlib.sha256(ident.encode() + b"\x01" + seq.cache_salt + mode + rope).digest()
 
 
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:

@@ -98,6 +98,7 @@ class LLMEngine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_chunked_prefill=self.config.enable_chunked_prefill,
             policy=self.lora.policy,
+            long_factor_after=self.model_config.rope.long_factor_after,
         )
         self.runner = ModelRunner(
             model,

@@ -6,6 +6,15 @@ are served first (oldest first), then waiting ones are admitted in the order the
 gives. When blocks run out the newest running request of the tenant running the most is preempted and
 recomputed later. While tenants contend for the batch, each runs at most its fair share of it
 (base_engine/fair_share.py): one over its share yields its newest sequences at the step boundary.
+
+LongRoPE (Phi-3, `long_factor_after` = original_max_position_embeddings = O): transformers' generate
+rotates with the short factors while a forward's max position + 1 <= O and with the long ones
+beyond, and when a sequence first outgrows O it drops its cache and recomputes the whole sequence
+(Phi3ForCausalLM.prepare_inputs_for_generation). So each logit a sequence of n tokens gets is that of
+one forward over all n tokens with the long factors iff n > O. Per sequence here: a request with more
+than O tokens at admission runs long from its first chunk (every chunk of a long prompt, a recompute
+after preemption); a running one whose decode takes it from O to O + 1 tokens drops its short-factor
+blocks and recomputes all O + 1 tokens long (its prefix-cache keys carry the factor set).
 """
 
 from __future__ import annotations
@@ -85,12 +94,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         policy: AdmissionPolicy | None = None,
+        long_factor_after: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy or AdmissionPolicy()
+        self.long_factor_after = long_factor_after  # LongRoPE's original context (module docstring)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -116,6 +127,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not seq.is_long_rope and self._needs_long_rope(seq):
+                self._restart_long_rope(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if self._exceeds_pool(seq, num_new):
                 out.overflowed.append(seq)
@@ -177,6 +190,7 @@ class Scheduler:
             # A waiting request holds no blocks (preemption and rollback free them), so its prefix
             # hits are attached here and either kept by the allocation below or given back at once:
             # two waiting requests can never sit on blocks the other one needs.
+            seq.is_long_rope = self._needs_long_rope(seq)  # before the prefix lookup: part of its key
             num_hit = self.block_manager.match_prefix(seq)
             seq.num_computed_tokens = num_hit
             if seq.num_preemptions == 0:
@@ -202,6 +216,16 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
         return budget
+
+    def _needs_long_rope(self, seq: Sequence) -> bool:
+        return self.long_factor_after is not None and seq.num_tokens > self.long_factor_after
+
+    def _restart_long_rope(self, seq: Sequence) -> None:
+        """The sequence outgrew LongRoPE's original context: its K/V (short factors) are recomputed
+        with the long factors, from blocks another long sequence left in the prefix cache if any."""
+        self.block_manager.free_sequence(seq)
+        seq.is_long_rope = True
+        seq.num_computed_tokens = self.block_manager.match_prefix(seq)
 
     def _roll_back(self, seq: Sequence) -> None:
         """Undo an admission attempt: prefix blocks and the adapter slot go back, nothing is held."""

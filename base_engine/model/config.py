@@ -1,11 +1,12 @@
 """The base model's configuration, from a Hugging Face checkpoint's config.json and generation_config.json.
 
-Follows the `transformers` config format for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
-Qwen3ForCausalLM, both as published checkpoints write it (`rope_theta` + `rope_scaling` with `rope_type`
-or the legacy `type` key, `torch_dtype`) and as `transformers` 5 writes it (`rope_parameters`, `dtype`).
-Anything the engine could not reproduce exactly (another activation, dynamic/long RoPE, quantized
-weights, per-layer sliding windows) is refused here with the file and field named, never approximated;
-so is an architecture we do not serve, with the piece it lacks (unsupported.py).
+Follows the `transformers` config format for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM and Phi3ForCausalLM (its RoPE fields in phi3.py), both as published checkpoints write
+it (`rope_theta` + `rope_scaling` with `rope_type` or the legacy `type` key, `torch_dtype`) and as
+`transformers` 5 writes it (`rope_parameters`, `dtype`). Anything the engine could not reproduce exactly
+(another activation, dynamic/long RoPE, quantized weights, per-layer sliding windows) is refused here
+with the file and field named, never approximated; so is an architecture we do not serve, with the piece
+it lacks (unsupported.py).
 """
 
 from __future__ import annotations
@@ -19,18 +20,22 @@ import torch
 
 from adapters.types import BaseModelShapes
 from base_engine.model.gemma_config import GEMMA_ACTIVATION, GEMMA_ARCHITECTURES, GemmaText, gemma_text
+from base_engine.model.phi3 import phi3_rope_fields
 from base_engine.model.unsupported import MODEL_TABLE, architecture_refusal
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Phi3ForCausalLM": "phi3",
     "Qwen3ForCausalLM": "qwen3",
     **GEMMA_ARCHITECTURES,
 }
 # RoPE variants whose inverse frequencies are fixed at load time (rope.py reproduces them exactly).
-# "dynamic" and "longrope" change frequencies with the sequence length at run time: refused.
+# "dynamic" and "longrope" change frequencies with the sequence length at run time: refused, except
+# LongRoPE on Phi-3 (model/phi3.py), whose two frequency sets the engine switches per sequence.
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+LONGROPE = "longrope"
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -42,6 +47,7 @@ _DEFAULT_MAX_POSITIONS = {
     "mistral": 4096 * 32,
     "qwen2": 32768,
     "qwen3": 32768,
+    "phi3": 4096,
 }  # Gemma: gemma_config
 # Qwen3's head_dim defaults to 128 whatever hidden/heads is; the others derive it.
 _DEFAULT_HEAD_DIM = {"qwen3": 128}
@@ -53,19 +59,31 @@ _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_f
 class RopeConfig:
     """Rotary embedding settings (Su et al. 2021, "RoFormer"), with the scaling variants HF names."""
 
-    rope_type: str  # "default" | "linear" | "llama3" | "yarn"
+    rope_type: str  # "default" | "linear" | "llama3" | "yarn" | "longrope"
     theta: float
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int | None = None  # llama3 / yarn: the pre-training context
     extra: dict[str, Any] = field(default_factory=dict, hash=False)  # yarn: beta_fast, beta_slow, mscale...
+    partial_rotary_factor: float = 1.0  # rotate only the first int(head_dim * factor) dims of each head
+    # longrope: frequency divisors while a sequence fits the original context, and once it is longer
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # longrope: cos and sin are multiplied by it (both factor sets)
 
     def __post_init__(self) -> None:
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope_type {self.rope_type!r} not supported; expected one of {SUPPORTED_ROPE_TYPES}"
-            )
+        known = (*SUPPORTED_ROPE_TYPES, LONGROPE)
+        if self.rope_type not in known:
+            raise ValueError(f"rope_type {self.rope_type!r} not supported; expected one of {known}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
+        if self.partial_rotary_factor != 1 and self.rope_type not in ("default", LONGROPE):
+            raise ValueError(f"partial rotary with rope_type {self.rope_type!r} unsupported")
+        if self.rope_type == LONGROPE and (
+            self.original_max_position_embeddings is None or not self.short_factor or not self.long_factor
+        ):
+            raise ValueError("longrope needs short_factor, long_factor and original_max_position_embeddings")
         if not self.theta > 0 or not self.factor > 0:
             raise ValueError(f"rope theta={self.theta} and factor={self.factor} must be > 0")
         if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
@@ -75,6 +93,15 @@ class RopeConfig:
                 f"llama3 rope needs high_freq_factor > low_freq_factor; got "
                 f"{self.high_freq_factor} <= {self.low_freq_factor}"
             )
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many leading dims of each head rotate (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(head_dim * self.partial_rotary_factor)
+
+    @property
+    def long_factor_after(self) -> int | None:
+        """LongRoPE: a sequence with more tokens than this uses the long factors (None: one factor set)."""
+        return self.original_max_position_embeddings if self.rope_type == LONGROPE else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +226,9 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_positions: int) -> RopeConf
     params.pop("type", None)
     partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise ValueError(f"{path}: partial_rotary_factor={partial} unsupported; expected 1.0")
+        raise ValueError(
+            f"{path}: partial_rotary_factor={partial} unsupported; expected 1.0 (partial rotary: Phi3 only)"
+        )
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{path}: rope type {rope_type!r} unsupported (its frequencies depend on the sequence length "
@@ -229,10 +258,10 @@ def _parse_rope(raw: dict[str, Any], path: Path, max_positions: int) -> RopeConf
 def _sliding_window(raw: dict[str, Any], model_type: str, path: Path, num_layers: int) -> int | None:
     """One window for every layer, or None; per-layer windows (Qwen2 max_window_layers) are refused."""
     # transformers' Mistral and Qwen2 configs default an absent window to 4096.
-    window = raw.get("sliding_window", 4096)
+    window = raw.get("sliding_window", None if model_type == "phi3" else 4096)
     if model_type == "llama" or window is None:
         return None
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):  # every layer (transformers' Phi3 masks all layers alike)
         return int(window)
     if not raw.get("use_sliding_window", False):
         return None
@@ -315,7 +344,13 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _token_ids(gen.get("eos_token_id"), gen_path) or _token_ids(raw.get("eos_token_id"), path)
     bos = raw.get("bos_token_id", gen.get("bos_token_id"))
-    rope = _parse_rope(raw if gemma is None else gemma.global_rope, path, max_positions)
+    head_dim = int(raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type, hidden_size // num_heads))
+    if gemma is not None:
+        rope = _parse_rope(gemma.global_rope, path, max_positions)
+    elif model_type == "phi3":
+        rope = _checked(path, RopeConfig, **phi3_rope_fields(raw, path, max_positions, head_dim))
+    else:
+        rope = _parse_rope(raw, path, max_positions)
     sliding_window = None if gemma is not None else _sliding_window(raw, model_type, path, num_layers)
     return _checked(
         path,
@@ -328,7 +363,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type, hidden_size // num_heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
         rope=rope,

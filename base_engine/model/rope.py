@@ -1,9 +1,11 @@
 """Rotary position embeddings (Su et al. 2021, "RoFormer") in Hugging Face's rotate-half layout.
 
 Frequencies for the scaling variants published checkpoints use: linear position interpolation
-(Chen et al. 2023), Llama 3.1's band-wise "llama3" scaling (Meta, Llama 3 herd paper / reference code)
-and YaRN (Peng et al. 2023, arXiv:2309.00071). All are fixed at load time; each is computed with the
-same float32 operations `transformers` uses, so the rotations agree to float rounding.
+(Chen et al. 2023), Llama 3.1's band-wise "llama3" scaling (Meta, Llama 3 herd paper / reference code),
+YaRN (Peng et al. 2023, arXiv:2309.00071) and Phi-3's LongRoPE (Ding et al. 2024, arXiv:2402.13753), whose
+short and long factor sets are both fixed at load time (the scheduler picks one per sequence); partial
+rotary rotates only a head's leading dims. Each is computed with the same float32 operations
+`transformers` uses, so the rotations agree to float rounding.
 """
 
 from __future__ import annotations
@@ -76,13 +78,31 @@ def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float
     return inv_freq, float(attention_factor)
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq float32 [head_dim // 2], attention_scaling); cos and sin get multiplied by the scaling."""
+def _longrope_inv_freq(rope: RopeConfig, rotary_dim: int, long: bool) -> torch.Tensor:
+    """Each default frequency divided by its short (or long) factor."""
+    factors = rope.long_factor if long else rope.short_factor
+    if len(factors) != rotary_dim // 2:
+        raise ValueError(f"longrope has {len(factors)} factors; expected rotary_dim / 2 = {rotary_dim // 2}")
+    ext_factors = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    return 1.0 / (ext_factors * rope.theta**exponents)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, *, long: bool = False) -> tuple[torch.Tensor, float]:
+    """(inv_freq float32 [rotary_dim // 2], attention_scaling); cos and sin get multiplied by the scaling.
+
+    rotary_dim is head_dim unless the rotation is partial. long: LongRoPE's long factor set.
+    """
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim={head_dim} must be a positive even number")
+    rotary_dim = rope.rotary_dim(head_dim)
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim={rotary_dim} (head_dim {head_dim}) must be a positive even number")
+    if rope.rope_type == "longrope":
+        return _longrope_inv_freq(rope, rotary_dim, long), rope.attention_factor
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(rope, head_dim)
-    inv_freq = _default_inv_freq(rope.theta, head_dim)
+    inv_freq = _default_inv_freq(rope.theta, rotary_dim)
     if rope.rope_type == "linear":
         # Dividing frequencies by `factor` equals dividing positions by it (position interpolation).
         return inv_freq / rope.factor, 1.0
@@ -106,33 +126,69 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate q or k: x [T, heads, head_dim]; cos, sin [T, head_dim] -> [T, heads, head_dim] in x's dtype."""
+    """Rotate q or k: x [T, heads, head_dim]; cos, sin [T, rotary_dim] -> [T, heads, head_dim] in x's dtype.
+
+    Partial rotary (rotary_dim < head_dim): the first rotary_dim dims rotate, the rest pass through.
+    """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half
     return x * cos.unsqueeze(1).to(x.dtype) + rotated * sin.unsqueeze(1).to(x.dtype)
 
 
 class RopeCache:
-    """cos/sin rows for positions [0, max_positions), computed once and grown on demand."""
+    """cos/sin rows for positions [0, max_positions), computed once and grown on demand.
 
-    def __init__(self, rope: RopeConfig, head_dim: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    LongRoPE: one fixed table of 2 * max_positions rows, row p with the short factors and row
+    `long_offset + p` with the long ones (`row_offset` says which half a sequence reads).
+    """
+
+    def __init__(
+        self,
+        rope: RopeConfig,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int = 0,
+    ) -> None:
         self.inv_freq, self.scaling = rope_inv_freq(rope, head_dim)
         self.inv_freq = self.inv_freq.to(device)
         self.dtype = dtype
         self.device = device
-        self.cos = torch.empty(0, head_dim, dtype=dtype, device=device)
-        self.sin = torch.empty(0, head_dim, dtype=dtype, device=device)
+        rotary_dim = rope.rotary_dim(head_dim)
+        self.cos = torch.empty(0, rotary_dim, dtype=dtype, device=device)
+        self.sin = torch.empty(0, rotary_dim, dtype=dtype, device=device)
+        self.long_offset = 0
+        if rope.rope_type == "longrope":
+            if max_positions <= 0:
+                raise ValueError(f"longrope needs the table size; got max_positions={max_positions}")
+            self.long_offset = max_positions
+            long_inv_freq, _ = rope_inv_freq(rope, head_dim, long=True)
+            all_positions = torch.arange(max_positions, dtype=torch.int64, device=device)
+            short = rope_cos_sin(self.inv_freq, all_positions, self.scaling)
+            long = rope_cos_sin(long_inv_freq.to(device), all_positions, self.scaling)
+            self.cos = torch.cat((short[0], long[0])).to(dtype)
+            self.sin = torch.cat((short[1], long[1])).to(dtype)
+
+    def row_offset(self, is_long: bool) -> int:
+        """What to add to a position to read its row: long_offset for a LongRoPE long-factor sequence."""
+        return self.long_offset if is_long else 0
 
     def __call__(
         self, positions: torch.Tensor, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin each [num_tokens, head_dim] in the cache dtype for int64 `positions`.
+        """cos, sin each [num_tokens, rotary_dim] in the cache dtype for int64 rows `positions`.
 
         `max_position` (known on the host) spares reading positions back from the device.
         """
         if max_position is None:
             max_position = int(positions.max().item()) if positions.numel() else -1
         needed = max_position + 1
+        if self.long_offset and needed > self.cos.shape[0]:
+            raise ValueError(f"row {max_position} is past the LongRoPE table of {self.cos.shape[0]} rows")
         if needed > self.cos.shape[0]:
             # Double to amortise growth; compute in float32, then cast once.
             size = max(needed, 2 * self.cos.shape[0], 256)

@@ -49,6 +49,14 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "a vision tower and multimodal rotary embeddings (mrope)",
     "Qwen2_5_VLForConditionalGeneration": "a vision tower and multimodal rotary embeddings (mrope)",
     "Qwen3VLForConditionalGeneration": "a vision tower and interleaved multimodal rotary embeddings",
+    # Phi relatives that are not Phi3ForCausalLM (which is served).
+    "PhiForCausalLM": (
+        "Phi-1/1.5/2's parallel attention + MLP block under one LayerNorm (not RMSNorm), a biased GELU "
+        "fc1/fc2 MLP and biased projections"
+    ),
+    "Phi4MultimodalForCausalLM": "vision and audio encoders with their built-in LoRA adapters",
+    "Phi3SmallForCausalLM": "block-sparse attention on alternating layers and the gegelu activation",
+    "Phi3VForCausalLM": "a CLIP vision tower and image embeddings",
 }
 
 

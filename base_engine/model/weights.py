@@ -1,4 +1,5 @@
-"""Builds a CausalLM and fills it from a Hugging Face checkpoint, packing q/k/v and gate/up.
+"""Builds a CausalLM and fills it from a Hugging Face checkpoint, packing q/k/v and gate/up (Phi-3
+checkpoints store them fused already, in the same q, k, v and gate, up order).
 
 Every parameter must come from the checkpoint with the exact shape; a missing, misshaped or
 unexpected tensor is an error naming the tensor and file (never a silently random weight).
@@ -26,6 +27,8 @@ VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 _TEXT_LAYOUTS = (("model.language_model.", "lm_head."), ("language_model.model.", "language_model.lm_head."))
 
 logger = logging.getLogger(__name__)
+# model_type -> checkpoints store `qkv_proj` and `gate_up_proj` as one tensor each (transformers' Phi3).
+FUSED_CHECKPOINTS = frozenset({"phi3"})
 
 
 def checkpoint_sources(param_name: str) -> list[str]:
@@ -67,7 +70,8 @@ def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, devi
     used: set[str] = set()
     params = dict(model.named_parameters(remove_duplicate=True))
     for name, param in params.items():
-        sources = [rename(src) for src in checkpoint_sources(name)]
+        own = [name] if config.model_type in FUSED_CHECKPOINTS else checkpoint_sources(name)
+        sources = [rename(src) for src in own]
         tensors = []
         for src in sources:
             if src not in reader:

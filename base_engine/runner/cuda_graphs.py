@@ -143,6 +143,7 @@ class DecodeGraphs:
     def _fill(self, bucket: _Bucket, order, slots: list[int]) -> None:
         bs, pad = self.runner.block_size, bucket.size - len(order)
         positions = [s.start for s in order]
+        rope_rows = [s.start + self.runner.rope.row_offset(s.seq.is_long_rope) for s in order]
         ids = [s.seq.token_ids(s.start, s.start + 1)[0] for s in order]
         slot_mapping = [
             s.seq.block_table[p // bs] * bs + p % bs for s, p in zip(order, positions, strict=True)
@@ -151,7 +152,7 @@ class DecodeGraphs:
         batch = bucket.batch
         for buffer, values in (
             (batch.input_ids, ids + [0] * pad),
-            (batch.positions, positions + [0] * pad),
+            (batch.positions, rope_rows + [0] * pad),
             (batch.meta.slot_mapping, slot_mapping),
         ):
             buffer.copy_(self._host(values), non_blocking=True)

@@ -49,7 +49,9 @@ class ModelRunner:
         self.sliding_window = None if self.local_window is not None else windows.pop()
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
-        self.rope = RopeCache(config.rope, config.head_dim, dtype=dtype, device=device)
+        self.rope = RopeCache(
+            config.rope, config.head_dim, dtype=dtype, device=device, max_positions=max_model_len
+        )
         self.rope(torch.tensor([max_model_len - 1], device=device), max_model_len - 1)  # whole table, once
         # Gemma 3: the windowed layers rotate with their own base frequency.
         self.local_rope = None
@@ -94,7 +96,8 @@ class ModelRunner:
             table = seq.block_table
             for pos in range(start, start + n):
                 slots.append(table[pos // bs] * bs + pos % bs)
-            positions += range(start, start + n)
+            rope_row = start + self.rope.row_offset(seq.is_long_rope)  # LongRoPE: long half of the table
+            positions += range(rope_row, rope_row + n)
             row_slots += [seq.adapter_slot] * n
             seq_of_row += [index] * n
             if item.is_sampled:

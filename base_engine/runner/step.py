@@ -16,7 +16,7 @@ class StepBatch:
 
     order: list[ScheduledSeq]  # row-block order: decodes then prefills
     input_ids: torch.Tensor  # [T] on the device
-    positions: torch.Tensor  # [T] on the device
+    positions: torch.Tensor  # [T] on the device: RoPE table rows (position + RopeCache.row_offset)
     max_position: int  # max(positions), known on the host
     meta: AttentionMetadata  # tensors on the device
     sample_rows: torch.Tensor  # [num_sampled] rows whose logits are sampled, on the device

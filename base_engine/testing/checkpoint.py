@@ -1,8 +1,9 @@
 """Tiny random-weight Hugging Face checkpoints and a locally trained tokenizer, for tests and demos.
 
 The checkpoint is what `transformers` `save_pretrained(safe_serialization=True)` writes for
-LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Gemma2ForCausalLM /
-Gemma3ForCausalLM, and Gemma3ForConditionalGeneration with a tiny SigLIP vision tower ("gemma3-vision")
+LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Phi3ForCausalLM /
+Gemma2ForCausalLM / Gemma3ForCausalLM, and Gemma3ForConditionalGeneration with a tiny SigLIP vision
+tower ("gemma3-vision")
 (config.json, model.safetensors, generation_config.json), plus a byte-level BPE tokenizer (GPT-2 /
 Llama-3 style byte-level pre-tokenizer) with Llama-3's special tokens and chat template format, so the
 engine loads it exactly as it would load a published checkpoint. Nothing is downloaded.
@@ -12,6 +13,7 @@ The tokenizer is built by tiny_tokenizer.py and its chat formats come from tiny_
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -44,6 +48,7 @@ _ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
@@ -94,6 +99,8 @@ def _build_config(arch: str, overrides: dict[str, Any]) -> PreTrainedConfig:
         }
         text = Gemma3TextConfig(**overrides)
         return config_cls(text_config=text, vision_config=_TINY_VISION, mm_tokens_per_image=4, **top)
+    if arch == "phi3":
+        overrides.setdefault("pad_token_id", None)  # Phi3Config's 32000 lies outside a tiny vocabulary
     return config_cls(**overrides)
 
 
@@ -142,7 +149,7 @@ def save_random_checkpoint(
         "eos_token_id": end_of_text_id,
         **config_overrides,
     }
-    config = _build_config(arch, fields)
+    config = _build_config(arch, copy.deepcopy(fields))  # transformers edits nested dicts (rope_scaling)
     _, model_cls = _ARCHS[arch]
     torch.manual_seed(seed)
     model = model_cls(config)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from base_engine import LLM, SamplingParams
-from tests.adapters.engine_helpers import ALL_SEVEN, make_adapter, peft_model
+from base_engine.model.config import load_model_config
+from tests.adapters.engine_helpers import make_adapter, peft_model
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
 from tests.harness.families import CHECKPOINTS, FAMILIES
@@ -18,10 +19,10 @@ MAX_NEW = 8
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_module_in_a_mixed_batch_matches_peft(family: str, make_checkpoint, tmp_path) -> None:
     model_dir = make_checkpoint(**CHECKPOINTS[family])
+    # q/k/v/o and gate/up/down as the checkpoint names them (Phi-3: the fused qkv_proj, gate_up_proj)
+    every = list(load_model_config(model_dir).base_shapes().projections)
     adapters = {
-        "all8": make_adapter(
-            model_dir, tmp_path / "all8", seed=11, r=8, lora_alpha=16, target_modules=ALL_SEVEN
-        ),
+        "all8": make_adapter(model_dir, tmp_path / "all8", seed=11, r=8, lora_alpha=16, target_modules=every),
         "all4_rs": make_adapter(
             model_dir,
             tmp_path / "all4",
@@ -29,7 +30,7 @@ def test_every_module_in_a_mixed_batch_matches_peft(family: str, make_checkpoint
             r=4,
             lora_alpha=4,
             use_rslora=True,
-            target_modules=ALL_SEVEN,
+            target_modules=every,
         ),
     }
     names = [None, "all8", "all4_rs", "all8", None, "all4_rs"]
@@ -54,7 +55,13 @@ def test_adapter_of_a_multimodal_gemma3_is_refused_by_name(make_checkpoint, tmp_
     """Gemma3ForConditionalGeneration nests its text model (and PEFT's targets reach the vision tower):
     its adapters fail their requests naming the model type; base rows next to them are served."""
     model_dir = make_checkpoint(**CHECKPOINTS["gemma3-vision"])
-    adapter = make_adapter(model_dir, tmp_path / "vision", seed=13, r=4, target_modules=ALL_SEVEN)
+    adapter = make_adapter(
+        model_dir,
+        tmp_path / "vision",
+        seed=13,
+        r=4,
+        target_modules=list(load_model_config(model_dir).base_shapes().projections),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     with LLM(model_dir, num_kv_blocks=32, block_size=4, max_loras=1, max_lora_rank=8) as llm:
         refused, base = llm.generate([[5, 6, 7], [5, 6, 7]], params, adapters=[adapter, None])

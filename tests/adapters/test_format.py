@@ -98,7 +98,7 @@ def test_ranks_and_scales_per_module(tmp_path: Path) -> None:
 
 
 def test_module_keys_match_transformers() -> None:
-    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         names = [name for name, _ in tiny_model(model_type).named_modules()]
         assert module_keys(tiny_shapes(model_type)) == names
 

@@ -45,10 +45,16 @@ def setup(
     layers = CHECKPOINTS[request.param].get("num_hidden_layers", 2)
     sizes = {"hidden_size": 64, "intermediate_size": 1408, "num_hidden_layers": layers, "vocab_size": VOCAB,
              "max_position_embeddings": 512}  # fmt: skip
+    if "original_max_position_embeddings" in CHECKPOINTS[request.param]:
+        # LongRoPE switches at 45 tokens: some drawn requests cross it, while the scenario's sharer
+        # (27 + 40 tokens) still holds its short-factor prefix blocks when the target (30 + 10) arrives.
+        sizes["original_max_position_embeddings"] = 44
     model_dir = save_random_checkpoint(root / "model", **{**CHECKPOINTS[request.param], **sizes})
     base = load_model_config(model_dir).base_shapes()
     adapters = [
-        save_random_adapter(root / f"a{i}", base, rank=(4, 8, 16)[i % 3], seed=i, std=0.1)
+        save_random_adapter(
+            root / f"a{i}", base, rank=(4, 8, 16)[i % 3], seed=i, std=0.1, modules=base.projections
+        )
         for i in range(NUM_ADAPTERS)
     ]
     return model_dir, adapters

@@ -35,7 +35,10 @@ def model_dir(request: pytest.FixtureRequest, make_checkpoint) -> Path:
 def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     base = load_model_config(model_dir).base_shapes()
     root = tmp_path_factory.mktemp("graphs")
-    return [save_random_adapter(root / f"a{i}", base, rank=4, seed=i, std=0.2) for i in range(3)]
+    return [
+        save_random_adapter(root / f"a{i}", base, rank=4, seed=i, std=0.2, modules=base.projections)
+        for i in range(3)
+    ]
 
 
 def _run(model_dir: Path, adapters: list[Path], *, graphs: bool) -> tuple[dict, int]:

@@ -22,6 +22,8 @@ README = Path(__file__).parents[2] / "base_engine" / "model" / "README.md"
         ("GptOssForCausalLM", r"attention sinks.*MXFP4"),
         ("Qwen3MoeForCausalLM", r"mixture-of-experts"),
         ("MixtralForCausalLM", r"mixture-of-experts"),
+        ("PhiForCausalLM", r"parallel attention \+ MLP"),
+        ("Phi3SmallForCausalLM", r"block-sparse attention"),
     ],
 )
 def test_known_architecture_is_refused_with_its_missing_piece(

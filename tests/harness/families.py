@@ -24,6 +24,8 @@ def _llama3_rope(factor: float) -> dict[str, Any]:
     }
 
 
+PHI3_ORIGINAL = 32  # LongRoPE's original context in the Phi-3 checkpoint
+
 CHECKPOINTS: dict[str, dict[str, Any]] = {
     "llama-gqa": {"arch": "llama"},
     "llama-tied": {"arch": "llama", "tie_word_embeddings": True, "seed": 3},
@@ -108,6 +110,30 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
         "final_logit_softcapping": 3.0,
         "tie_word_embeddings": True,
     },
+    # Phi-3 (Phi3ForCausalLM) checkpoints store qkv_proj / gate_up_proj fused. Phi-4-mini-shaped: partial
+    # rotary 0.75 (head 16: 12 rotating dims, 6 frequencies), tied, LongRoPE with an original context of
+    # PHI3_ORIGINAL tokens and max_position_embeddings 8x that, so prompts pass it and decodes cross it.
+    "phi3-longrope": {
+        "arch": "phi3",
+        "seed": 8,
+        "partial_rotary_factor": 0.75,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.3 * i for i in range(6)],
+            "long_factor": [3.0 + 2.0 * i for i in range(6)],
+        },
+        "original_max_position_embeddings": PHI3_ORIGINAL,
+        "max_position_embeddings": 8 * PHI3_ORIGINAL,
+    },
+    "phi3-partial-tied": {
+        "arch": "phi3",
+        "seed": 7,
+        "partial_rotary_factor": 0.75,
+        "tie_word_embeddings": True,
+    },
+    # Phi-3-mini-4k-shaped: every layer slides (its published window is 2047), here shorter than prompts.
+    "phi3-window": {"arch": "phi3", "seed": 9, "sliding_window": 12},
 }
 
 # One variant per family: each runs on every engine path, with adapters and in deterministic mode.
@@ -118,4 +144,5 @@ FAMILIES: tuple[str, ...] = (
     "qwen3",
     "gemma2-softcap",
     "gemma3-window",
+    "phi3-longrope",
 )

@@ -32,16 +32,20 @@ TINY_SIZES: dict[str, int] = {
 
 
 def tiny_model(model_type: str = "llama", *, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A random *ForCausalLM of `model_type` ("llama" | "mistral" | "qwen2" | "qwen3") with TINY_SIZES."""
+    """A random *ForCausalLM of `model_type` ("llama" | "mistral" | "qwen2" | "qwen3" | "phi3") with
+    TINY_SIZES."""
     import transformers
 
     classes = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }
     config_cls, model_cls = classes[model_type]
+    if model_type == "phi3":
+        overrides = {"pad_token_id": None} | overrides  # Phi3Config's 32000 lies outside TINY_SIZES' vocab
     torch.manual_seed(seed)
     return model_cls(config_cls(**(TINY_SIZES | overrides))).eval()
 
