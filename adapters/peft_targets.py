@@ -22,11 +22,14 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 _PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _PARENT |= {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 # Model types whose attention holds q_norm / k_norm modules (a pattern that selects them is refused).
-QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3",)
+QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "gemma3_text")
+# Gemma 2 / 3 layers norm before and after both attention and the MLP.
+GEMMA_MODEL_TYPES: tuple[str, ...] = ("gemma2", "gemma3_text")
 
 
 def module_keys(base: BaseModelShapes) -> list[str]:
-    """Every `named_modules()` key of transformers' *ForCausalLM for llama/mistral/qwen2/qwen3/phi3."""
+    """Every `named_modules()` key of transformers' *ForCausalLM for the served families
+    (the order within a layer aside)."""
     fused = base.model_type in FUSED_MODEL_TYPES
     keys = ["", "model", "model.embed_tokens", "model.layers"]
     for i in range(base.num_layers):
@@ -43,6 +46,8 @@ def module_keys(base: BaseModelShapes) -> list[str]:
             keys += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
         keys += [f"{layer}.mlp"] + [f"{layer}.mlp.{m}" for m in mlp]
         keys += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
+        if base.model_type in GEMMA_MODEL_TYPES:
+            keys += [f"{layer}.pre_feedforward_layernorm", f"{layer}.post_feedforward_layernorm"]
         if fused:  # Phi3DecoderLayer's dropouts
             keys += [f"{layer}.resid_attn_dropout", f"{layer}.resid_mlp_dropout"]
     return keys + ["model.norm", "model.rotary_emb", "lm_head"]
