@@ -1,10 +1,11 @@
-"""Shared pieces of the benchmarks: the models (`--model bench-small|bench-qwen3|smollm2`) and the
-reference workload.
+"""Shared pieces of the benchmarks: the models (`--model bench-small|bench-qwen3|bench-gemma3|smollm2`)
+and the reference workload.
 
 "bench-small" is a random Llama made in a temp dir; "bench-qwen3" a random Qwen3 of the same size class
 (q/k norms, head_dim 128 with 8 heads, so q is twice the hidden size as in Qwen3-0.6B, tied
-embeddings); "smollm2" is the default served model (SmolLM2-135M-Instruct), converted once into
-./loraserve-data/models like `make serve` does.
+embeddings); "bench-gemma3" a random Gemma 3 of that size (5 windowed : 1 global layers, q/k norms,
+GeGLU, head_dim 128); "smollm2" is the default served model (SmolLM2-135M-Instruct), converted once
+into ./loraserve-data/models like `make serve` does.
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "tie_word_embeddings": True,
         "rope_theta": 1000000.0,
+    },
+    # Gemma 3's shape at bench-small's size: 5 windowed layers (window 512) to 1 global (8 layers:
+    # globals at 5), q/k norms, head_dim 128 x 4 heads, local / global RoPE bases, tied, GeGLU.
+    "bench-gemma3": {
+        **BENCH_SMALL,
+        "arch": "gemma3",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "sliding_window": 512,
+        "query_pre_attn_scalar": 128,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "tie_word_embeddings": True,
     },
 }
 MODELS = (*RANDOM_MODELS, "smollm2")

@@ -5,6 +5,7 @@
 
     python benchmarks/throughput.py --suite lora --model smollm2 --json   # the default served model
     python benchmarks/throughput.py --suite base --model bench-qwen3 --json   # a Qwen3-shaped model
+    python benchmarks/throughput.py --suite base --model bench-gemma3 --json   # a Gemma-3-shaped model
     python benchmarks/throughput.py --suite lora --deterministic --json   # target: cost <= 0.20
 
 Prints one JSON line: engine_tok_s, hf_tok_s, ratio (only requested output tokens are counted).
