@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -91,7 +92,6 @@ class LLMEngine:
             fetch=fetch,
             base_weights=ModelWeights(model),
         )
-        self.base_weight_norms = ModelWeights(model).frobenius_norms()  # for uploads' coverage reports
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=self.config.max_num_seqs,
@@ -124,6 +124,13 @@ class LLMEngine:
         # Outputs of the step in progress, appended as they are made: when a step raises, the finals
         # of the requests it already finished are still here to be delivered.
         self.step_outputs: list[RequestOutput] = []
+
+    @cached_property
+    def base_weight_norms(self) -> dict[tuple[int, str], float]:
+        """||W||_F per (layer, checkpoint projection) for uploads' coverage reports: computed on first
+        use (an upload's worker thread; weights are read-only), not at start, so a meta-device engine
+        (tests/base_engine/test_device_guard.py) and start-up pay nothing."""
+        return ModelWeights(self.runner.model).frobenius_norms()
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

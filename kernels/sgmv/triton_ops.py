@@ -130,8 +130,9 @@ def _expand_kernel(
     rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rn), max_rank)
     if pid_m * BLOCK_M >= seg_len or pid_n * BLOCK_N >= n_out:
         return
-    if rank == 0 and not HAS_SCALE:  # nothing to add; with an output scale the row is still rescaled
-        return
+    if not HAS_SCALE:  # a constexpr branch: with an output scale a rank-0 row is still rescaled
+        if rank == 0:  # nothing to add
+            return
     b_ptr = _pick3(local_s, b0_ptr, b1_ptr, b2_ptr)
     sn = _pick3_int(local_s, b0_sn, b1_sn, b2_sn)
     col_off = _pick3_int(local_s, off0, off1, off2)

@@ -26,11 +26,15 @@ def signature(
     return {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
 
 
-# (kernel, dtype, split_k): each dtype path, the atomic split-K store, IEEE fp32 dots
-VARIANTS = (("shrink", "bf16", 4), ("shrink", "fp32", 1), ("expand", "fp16", 1), ("expand", "fp32", 1))
+# (kernel, dtype, split_k, DoRA output vectors): each dtype path, the atomic split-K store, IEEE fp32
+# dots, the expand with and without DoRA's out_scale / out_shift
+VARIANTS = (
+    ("shrink", "bf16", 4, False), ("shrink", "fp32", 1, False), ("expand", "fp16", 1, False),
+    ("expand", "fp32", 1, False), ("expand", "bf16", 1, True),
+)  # fmt: skip
 
 
-def compile_variant(kernel: str, dtype: str, split_k: int, arch: int) -> None:
+def compile_variant(kernel: str, dtype: str, split_k: int, dora: bool, arch: int) -> None:
     precision = "ieee" if dtype == "fp32" else "tf32"
     if kernel == "shrink":
         fn = triton_ops._shrink_kernel
@@ -41,11 +45,13 @@ def compile_variant(kernel: str, dtype: str, split_k: int, arch: int) -> None:
         fn = triton_ops._expand_kernel
         ptrs = {p: f"*{dtype}" for p in ("y_ptr", "b0_ptr", "b1_ptr", "b2_ptr")}
         ptrs |= META_PTRS | {"v_ptr": "*fp32", "ranks_ptr": "*i32"}
+        ptrs |= {"oscale_ptr": "*fp32", "oshift_ptr": "*fp32"}
         consts = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=16, stride_yh=1, stride_br=1)
+        consts |= {"HAS_SCALE": dora, "HAS_SHIFT": dora}
     consts |= {"PRECISION": precision, "UPCAST": False}
     source = ASTSource(fn, signature(fn, ptrs, consts), constexprs=consts)
     triton.compile(source, target=GPUTarget("cuda", arch, 32))
-    print(f"{kernel} {dtype} split_k={split_k} sm_{arch}: ok")
+    print(f"{kernel} {dtype} split_k={split_k} dora={dora} sm_{arch}: ok")
 
 
 if __name__ == "__main__":
