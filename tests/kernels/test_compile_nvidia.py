@@ -21,4 +21,4 @@ def test_kernels_compile_for_nvidia(tmp_path: Path) -> None:
         [sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count(": ok") == 4, done.stdout
+    assert done.stdout.count(": ok") == 5, done.stdout  # aot_compile.VARIANTS
