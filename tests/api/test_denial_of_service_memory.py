@@ -84,7 +84,9 @@ def test_three_concurrent_maximum_uploads_grow_rss_at_most_100_mb(
     too_big = write_full_adapter(tmp_path / "over", rank=200, seed=7)
     args = ["--model", str(model_dir), "--max-model-len", "256", "--num-kv-blocks", "64"]
     args += ["--max-lora-rank", str(BIG_MAX_RANK), "--max-num-seqs", "4"]
-    process = ServerProcess(args, tmp_path / "data", env={"LORASERVE_ADMIN_KEY": ADMIN_KEY}).start()
+    # One tenant runs all three at once: its per-tenant upload slots (2 by default) raised to 3.
+    env = {"LORASERVE_ADMIN_KEY": ADMIN_KEY, "LORASERVE_MAX_CONCURRENT_UPLOADS_PER_TENANT": "3"}
+    process = ServerProcess(args, tmp_path / "data", env=env).start()
     try:
         server = Server(process, ADMIN_KEY, "sqlite-local")
         _, key = server.tenant("mem")
