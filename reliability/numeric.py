@@ -69,13 +69,21 @@ def _neighbours(server: Server, key: str, models: list[str], stop: threading.Eve
         t.join()
 
 
+def _subnormal_but_one(_: str, v: torch.Tensor) -> torch.Tensor:
+    """Every factor subnormal but the first: flushed at upload it still changes the model (an adapter
+    that changes nothing is refused, adapters/coverage.py)."""
+    out = torch.full_like(v, 1e-40)
+    out.view(-1)[0] = v.view(-1)[0]
+    return out
+
+
 def case_subnormal_adapters(server: Server, tmp: Path) -> tuple[dict[str, Any], list[str]]:
     _, key = server.tenant("subnormal")
     _, victim = server.tenant("victim")
     adapters = {
         "clean-a": _filled(tmp / "ca", 1, lambda _, v: v),
         "clean-b": _filled(tmp / "cb", 2, lambda _, v: v),
-        "subnormal": _filled(tmp / "sub", 3, lambda _, v: torch.full_like(v, 1e-40)),  # stored as zero
+        "subnormal": _filled(tmp / "sub", 3, _subnormal_but_one),  # stored as zero but one value each
         "tiny-products": _filled(tmp / "tiny", 4, lambda _, v: torch.full_like(v, 1e-20)),  # subnormal deltas
     }
     for name, path in adapters.items():
