@@ -21,6 +21,7 @@ from base_engine.invariant import Determinism
 from base_engine.lora import LoraStepBatch, ModelWeights, make_lora_manager
 from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
+from base_engine.model.int8 import quantize_int8
 from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
 from base_engine.outputs import NON_FINITE, EngineStats, RequestOutput
@@ -64,6 +65,8 @@ class LLMEngine:
         model = load_model(self.model_dir, self.model_config, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu" and self.dtype != torch.float32:
             model.keep_float32_logits()
+        if self.config.quantization == "int8":
+            logger.info("quantization int8: %d linear layers", quantize_int8(model))
         num_blocks = plan_memory(
             self.model_config,
             self.config,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from base_engine.model.int8 import quantization_refusal
+
 # Share of memory the KV pool takes when `kv_cache_memory_fraction` is None: on CUDA of the free device
 # memory after the weights and adapter slots; on the CPU of the host memory still available, which the
 # weights' page cache, the adapter host tier, the tokenizer and other processes also draw on.
@@ -40,6 +42,8 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     # Every request batch-invariant (base_engine/invariant.py), as `SamplingParams.deterministic` asks.
     deterministic: bool = False
+    # None: weights in the serving dtype; "int8": per-channel int8 base weights (base_engine/model/int8.py).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank")
@@ -62,6 +66,8 @@ class EngineConfig:
             )
         if not 0.0 < self.lora_memory_fraction < 1.0:
             raise ValueError(f"lora_memory_fraction must be in (0, 1), got {self.lora_memory_fraction}")
+        if (refusal := quantization_refusal(self.quantization)) is not None:
+            raise ValueError(refusal)
         if self.attention not in ("auto", "paged", "buckets"):
             raise ValueError(f"attention={self.attention!r}, expected 'auto', 'paged' or 'buckets'")
         if self.max_cpu_loras < self.max_loras:

@@ -137,6 +137,11 @@ class Determinism:
     ) -> None:
         self.always = always
         self._reason = unsupported_reason(device, dtype)
+        if self._reason is None and any(hasattr(m, "qweight") for m in model.modules()):
+            self._reason = (
+                "deterministic mode is not available with quantization int8 (its weight-only int8 GEMM "
+                "is not probed batch-invariant); serve without --quantization for deterministic requests"
+            )
         self._shapes = linear_shapes(model, column_chunk=column_chunk)
         # A bf16 CPU engine computes its logits in float32 (CausalLM.keep_float32_logits): both probed.
         self._probes = [GemmProbe(dtype)] + ([GemmProbe(torch.float32)] if dtype != torch.float32 else [])

@@ -295,7 +295,16 @@ def _architecture(raw: dict[str, Any], path: Path) -> tuple[str, str]:
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{path}: hidden_act={raw['hidden_act']!r} unsupported; expected 'silu'")
     if raw.get("quantization_config") is not None:
-        raise ValueError(f"{path}: quantization_config present; quantized checkpoints are unsupported")
+        method = (
+            raw["quantization_config"].get("quant_method", "?")
+            if isinstance(raw["quantization_config"], dict)
+            else "?"
+        )
+        raise ValueError(
+            f"{path}: quantization_config present (quant_method {method!r}); GPTQ, AWQ, bitsandbytes and "
+            "other pre-quantized checkpoints are not served: serve the float32/bfloat16 checkpoint, with "
+            "--quantization int8 for per-channel int8 weights computed at load"
+        )
     return arch, model_type
 
 
