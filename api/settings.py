@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     device: str = "cpu"
     # auto: bfloat16 on a CPU with AMX-BF16 / AVX512-BF16, else float32; the checkpoint's dtype on CUDA.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # int8: per-channel int8 base weights computed at load (CPU); others refused by name (EngineConfig).
+    quantization: str | None = None
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -193,6 +195,7 @@ class Settings(BaseSettings):
             max_cpu_loras=self.max_cpu_loras,
             max_lora_rank=self.max_lora_rank,
             deterministic=self.deterministic,  # the engine refuses to start where it cannot keep it
+            quantization=self.quantization,
         )
 
 

@@ -4,13 +4,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from base_engine.model.int8 import quantization_refusal
-
 # Share of memory the KV pool takes when `kv_cache_memory_fraction` is None: on CUDA of the free device
 # memory after the weights and adapter slots; on the CPU of the host memory still available, which the
 # weights' page cache, the adapter host tier, the tokenizer and other processes also draw on.
 DEFAULT_GPU_KV_FRACTION = 0.9
 DEFAULT_CPU_KV_FRACTION = 0.3
+
+
+QUANTIZATIONS = ("int8",)
+# Formats of published quantized checkpoints we do not run: refused by name, pointing at what we serve.
+REFUSED_FORMATS = ("gptq", "awq", "bitsandbytes", "bnb", "fp8", "marlin", "exl2", "hqq", "compressed-tensors")
+
+
+def quantization_refusal(name: str | None) -> str | None:
+    """Why `--quantization name` cannot be served, or None (None and "int8" are served)."""
+    if name is None or name in QUANTIZATIONS:
+        return None
+    lowered = str(name).lower()
+    what = f"{name!r} checkpoints are not served" if lowered in REFUSED_FORMATS else f"unknown {name!r}"
+    return (
+        f"quantization {what}; expected one of {list(QUANTIZATIONS)} (per-channel int8 weights computed "
+        "at load from a float32/bfloat16 checkpoint) or none; serve the unquantized checkpoint instead"
+    )
 
 
 @dataclass(slots=True)

@@ -18,24 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
 # torch._weight_int8pack_mm with 16-bit activations needs in_features % 16 == 0 (K = 40 segfaults in
 # torch 2.13 CPU; 16, 32, 48, 64, 96, 128, 192 measured fine); float32 takes any K.
 BF16_K_MULTIPLE = 16
-# Formats of published quantized checkpoints we do not run: refused by name, pointing at what we serve.
-REFUSED_FORMATS = ("gptq", "awq", "bitsandbytes", "bnb", "fp8", "marlin", "exl2", "hqq", "compressed-tensors")
-
-
-def quantization_refusal(name: str | None) -> str | None:
-    """Why `--quantization name` cannot be served, or None (None and "int8" are served)."""
-    if name is None or name in QUANTIZATIONS:
-        return None
-    lowered = str(name).lower()
-    what = f"{name!r} checkpoints are not served" if lowered in REFUSED_FORMATS else f"unknown {name!r}"
-    return (
-        f"quantization {what}; expected one of {list(QUANTIZATIONS)} (per-channel int8 weights computed "
-        "at load from a float32/bfloat16 checkpoint) or none; serve the unquantized checkpoint instead"
-    )
 
 
 class Int8Linear(nn.Module):
