@@ -50,6 +50,32 @@ def json_options(whitespace: bool) -> dict[str, Any]:
     return dict(JSON_WHITESPACE_OPTIONS if whitespace else JSON_OPTIONS)
 
 
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that lists `properties` and
+    says nothing of other keys, as xgrammar's strict mode (vLLM's default) and OpenAI's strict schemas:
+    a small model otherwise adds keys until `max_tokens`. An explicit `additionalProperties` stays."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONES:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 GRAMMAR_CACHE_SIZE = 128
 _PARALLEL_MIN_ROWS = 4  # below this, filling masks one by one beats the executor's hand-off
 
@@ -191,7 +217,8 @@ class GrammarCompiler:
             schema = {"type": "object"}
         try:
             defaults = json_options(whitespace)
-            return str(self._llg.LLMatcher.grammar_from_json_schema(schema, defaults=defaults))
+            closed = closed_objects(schema)
+            return str(self._llg.LLMatcher.grammar_from_json_schema(closed, defaults=defaults))
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"invalid JSON schema: {exc}") from None
 
@@ -228,7 +255,7 @@ class GrammarCompiler:
 
 def lark_json(schema: dict[str, Any], *, whitespace: bool = False) -> str:
     """``%json {...}`` for a Lark grammar: the schema with this module's JSON whitespace options."""
-    return "%json " + json.dumps({**schema, "x-guidance": json_options(whitespace)})
+    return "%json " + json.dumps({**closed_objects(schema), "x-guidance": json_options(whitespace)})
 
 
 def _short_error(message: str) -> str:

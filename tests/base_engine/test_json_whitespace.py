@@ -90,3 +90,20 @@ def test_json_is_compact_by_default_and_whitespace_is_an_option(
             json.loads(text)  # whole: the compact walk cannot pad, so it ends within the steps
     flexible = compiler.compile_json_schema(schema, whitespace=True)
     assert sum(whitespace_outside_strings(walk(compiler, tokenizer, flexible, seed)) for seed in range(4)) > 0
+
+
+def test_objects_with_properties_admit_no_other_keys_unless_they_say_so(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    open_ = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    nested = {"type": "object", "properties": {"w": {"anyOf": [open_]}}, "required": ["w"]}
+    explicit = {**open_, "additionalProperties": True}
+
+    def accepts(schema: dict, text: str) -> bool:
+        constraint = compiler.compile_json_schema(schema).new_constraint()
+        constraint.sync(tokenizer.encode(text, add_special_tokens=False))
+        return not constraint.is_error
+
+    assert accepts(open_, '{"city":"Rome"}') and not accepts(open_, '{"city":"Rome","description":"x"}')
+    assert not accepts(nested, '{"w":{"city":"Rome","x":1}}')
+    assert accepts(explicit, '{"city":"Rome","description":"x"}')
