@@ -110,7 +110,7 @@ def _response(
 
 def _finished(
     body: ResponsesRequest, resp_id: str, created: int, plan: GenerationPlan, text: str, reason: str | None
-):
+) -> dict[str, Any]:
     content, calls = message_fields(plan.tools, text)
     output: list[dict[str, Any]] = []
     if content:
