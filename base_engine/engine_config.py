@@ -40,6 +40,8 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     # Every request batch-invariant (base_engine/invariant.py), as `SamplingParams.deterministic` asks.
     deterministic: bool = False
+    # A waiting request gains one priority level per this many seconds (base_engine/priority.py); 0 = off.
+    priority_aging_s: float = 30.0
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank")
