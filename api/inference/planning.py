@@ -33,6 +33,7 @@ from api.inference.services import Inference
 from api.inference.structured_outputs import request_grammar
 from api.inference.tools import ToolPlan, plan_tools
 from api.tenancy.keyfiles import tenant_cache_salt
+from api.tenancy.priority import request_priority
 from base_engine.async_engine import AsyncEngine, EngineRequest
 from base_engine.constraints import CompiledGrammar
 from registry.adapters import resolve_adapter
@@ -100,6 +101,7 @@ def plan_generation(
         num_prompts=len(prompts),
         n=body.n or 1,
         num_prompt_tokens=sum(len(p) for p in prompts),
+        priority=request_priority(body.priority, caller.tenant),
     )
     seed = request_seed(body, inference.seeds, ctx.request_id)
     deterministic = inference.is_deterministic or bool(body.deterministic)
@@ -169,6 +171,7 @@ def _engine_requests(
                 adapter=adapter.ref if adapter else None,
                 tenant_id=ctx.tenant_id,
                 cache_salt=cache_salt,
+                priority=ctx.priority,
             )
             try:
                 engine.validate(request)
