@@ -12,8 +12,9 @@ picks the victim among those (S-LoRA's unified cache, without paging: slots are 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +38,13 @@ class CacheStats:
     num_misses: int = 0  # activations that had to copy it into a slot
     num_evictions: int = 0  # adapters dropped from a slot to make room
     num_cpu_evictions: int = 0
+    # The latest durations, for the load-time histogram (the metrics side reads those it has not seen,
+    # by the totals `num_loads` / `num_misses`): background loads and host -> slot copies.
+    recent_load_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_DURATIONS))
+    recent_activate_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_DURATIONS))
+
+
+RECENT_DURATIONS = 256
 
 
 @dataclass(slots=True)
@@ -93,6 +101,10 @@ class AdapterCache:
         out.update({ref_id: "gpu" for ref_id in self.slot_of})
         return out
 
+    def ranks(self) -> dict[str, int]:
+        """ref.id -> the adapter's rank (its largest over modules), for every host-tier adapter."""
+        return {ref_id: adapter.max_rank for ref_id, adapter in self.host.items()}
+
     def error(self, ref: AdapterRef) -> str | None:
         """Why `ref` cannot be served now, or None (loaded, loading, or a failure whose pause is over:
         `has_failed` tells that case, and `request_load` tries again)."""
@@ -123,6 +135,7 @@ class AdapterCache:
                 adapter = _pin_host_memory(adapter)
             self.stats.num_loads += 1
             self.stats.load_seconds += seconds
+            self.stats.recent_load_s.append(seconds)
             self.host[ref_id] = adapter
             self.host_bytes[ref_id] = adapter_bytes(adapter)
             self._trim_host(keep=ref_id)
@@ -194,7 +207,9 @@ class AdapterCache:
             slot = self._free_slot()
             if slot is None:
                 return None
+            started = time.perf_counter()
             self.pool.write(slot, self.host[ref.id])
+            self.stats.recent_activate_s.append(time.perf_counter() - started)
             self.slots[slot].ref = ref
             self.slot_of[ref.id] = slot
             self.stats.num_misses += 1

@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     max_queue_len: int = Field(256, ge=0)  # engine requests waiting beyond max_num_seqs; more -> 503
     request_timeout_s: float = Field(600.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM grace period before in-flight requests abort
+    # Priority classes: a waiting request gains one level per this many seconds (0 = no aging).
+    priority_aging_s: float = Field(30.0, ge=0)
     # Any other request body (JSON): larger is 413 before it is read (api/http/body_limit.py).
     max_request_body_bytes: int = Field(8 << 20, ge=1024)
     request_body_timeout_s: float = Field(60.0, gt=0)  # the whole body must arrive within it, else 408
@@ -196,6 +198,7 @@ class Settings(BaseSettings):
             max_lora_rank=self.max_lora_rank,
             deterministic=self.deterministic,  # the engine refuses to start where it cannot keep it
             quantization=self.quantization,
+            priority_aging_s=self.priority_aging_s,
         )
 
 

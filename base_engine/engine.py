@@ -26,6 +26,7 @@ from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
 from base_engine.outputs import NON_FINITE, EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
+from base_engine.priority import PriorityPolicy
 from base_engine.runner.cuda_graphs import DecodeGraphs
 from base_engine.runner.device import check_device, resolve_dtype
 from base_engine.runner.host import set_intra_op_threads
@@ -102,6 +103,7 @@ class LLMEngine:
             enable_chunked_prefill=self.config.enable_chunked_prefill,
             policy=self.lora.policy,
             long_factor_after=self.model_config.rope.long_factor_after,
+            priority=PriorityPolicy(aging_s=self.config.priority_aging_s),
         )
         self.runner = ModelRunner(
             model,
@@ -202,6 +204,7 @@ class LLMEngine:
         tenant_id: str | None = None,
         cache_salt: bytes = b"",
         arrival: float | None = None,
+        priority: int = 0,
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -209,6 +212,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, adapter, tenant_id, cache_salt)
         if arrival is not None:
             seq.times.arrival = arrival
+        seq.priority = priority
         seq.deterministic = self.determinism.always or params.deterministic
         if seq.deterministic:
             seq.generator = self.determinism.generator(params.seed)

@@ -59,6 +59,8 @@ class EngineConfig:
     deterministic: bool = False
     # None: weights in the serving dtype; "int8": per-channel int8 base weights (base_engine/model/int8.py).
     quantization: str | None = None
+    # A waiting request gains one priority level per this many seconds (base_engine/priority.py); 0 = off.
+    priority_aging_s: float = 30.0
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank")

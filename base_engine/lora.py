@@ -229,6 +229,9 @@ class LoraManager:
             evictions=s.num_evictions,
             cpu_evictions=s.num_cpu_evictions,
             per_adapter=_requests_per_adapter(running, waiting),
+            ranks=self.cache.ranks(),
+            recent_load_seconds=tuple(s.recent_load_s),
+            recent_activate_seconds=tuple(s.recent_activate_s),
         )
 
 

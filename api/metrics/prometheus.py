@@ -32,8 +32,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from api.context import RequestContext
+from api.metrics.residency import ResidencyMetrics
 from api.metrics.series import (
     LoraserveSeries,
+    ResidencySeries,
     VllmSeries,
 )
 from api.metrics.window import RecentStats
@@ -87,6 +89,7 @@ class Metrics:
         self.replica: str | None = None  # fleet mode: the `replica` label on every series
         self.vllm = VllmSeries(self.registry, model_name, max_model_len)
         self.own = LoraserveSeries(self.registry, self.tenant_registry)
+        self.residency = ResidencyMetrics(ResidencySeries(self.registry, model_name), model_name)
 
     # ---- updates ------------------------------------------------------------------------------
 
@@ -185,10 +188,11 @@ class Metrics:
             (self.own.cpu_evictions, a.cpu_evictions),
         ):
             total.update(float(value))
+        self.residency.update(a, self._adapter_label)
         running: set[str] = set()
         waiting: set[str] = set()
         for ref_id, counts in a.per_adapter.items():
-            label = ref_id if self.tenant_labels else adapter_label(ref_id)
+            label = self._adapter_label(ref_id)
             if counts.running:
                 running.add(label)
             if counts.waiting:
@@ -198,6 +202,9 @@ class Metrics:
         self.vllm.lora_info.labels(
             str(a.num_slots), ",".join(sorted(running)), ",".join(sorted(waiting))
         ).set(self.wall_clock())
+
+    def _adapter_label(self, ref_id: str) -> str:
+        return ref_id if self.tenant_labels else adapter_label(ref_id)
 
     # ---- reading ------------------------------------------------------------------------------
 
