@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from adapters.dora import with_dora_scales
+from adapters.embedding import without_embedding_copy
 from adapters.eviction import EvictionPolicy, LruEviction
 from adapters.format import LoraAdapter, LoraPair, load_adapter
 from adapters.loader import AdapterLoader, Fetch, PendingLoad
@@ -87,7 +88,7 @@ class AdapterCache:
     def _parse(self, path: Path) -> LoraAdapter:
         """Parse and check one adapter directory, then precompute DoRA's scales (loader threads)."""
         adapter = load_adapter(path, base=self.base, dtype=self.dtype, max_lora_rank=self.max_lora_rank)
-        return with_dora_scales(adapter, self.base_weights)
+        return with_dora_scales(without_embedding_copy(adapter, self.base_weights), self.base_weights)
 
     @property
     def pending(self) -> dict[str, PendingLoad]:
@@ -281,10 +282,12 @@ class AdapterCache:
 
 
 def adapter_bytes(adapter: LoraAdapter) -> int:
-    """Host bytes of the factors and of DoRA's vectors (magnitude, out_scale, out_shift)."""
+    """Host bytes of the factors, of DoRA's vectors (magnitude, out_scale, out_shift) and of the
+    embedding LoRA's factors."""
+    pairs = [*adapter.weights.values(), *([] if adapter.embedding is None else [adapter.embedding])]
     return sum(
         t.numel() * t.element_size()
-        for p in adapter.weights.values()
+        for p in pairs
         for t in (p.a, p.b, p.magnitude, p.out_scale, p.out_shift)
         if t is not None
     )
@@ -300,4 +303,9 @@ def _pin_host_memory(adapter: LoraAdapter) -> LoraAdapter:
         )
         for k, p in adapter.weights.items()
     }
-    return LoraAdapter(rank_by_module=adapter.rank_by_module, max_rank=adapter.max_rank, weights=weights)
+    embedding = adapter.embedding
+    if embedding is not None:
+        embedding = LoraPair(embedding.a.pin_memory(), embedding.b.pin_memory(), embedding.scale)
+    return LoraAdapter(
+        rank_by_module=adapter.rank_by_module, max_rank=adapter.max_rank, weights=weights, embedding=embedding
+    )

@@ -42,6 +42,10 @@ class LoraBatch(Protocol):
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None: ...
 
+    def add_embedding(self, input_ids: torch.Tensor, x: torch.Tensor, multiplier: float | None) -> None:
+        """Adds each row's embedding-LoRA delta (rows whose adapter has one) to the looked-up `x`."""
+        ...
+
 
 def project(linear: nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
     """`linear(x)`, or its batch-invariant form (base_engine/invariant.py) in a deterministic step."""
@@ -204,8 +208,12 @@ class CausalLM(nn.Module):
         local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,  # windowed layers' (Gemma 3)
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        multiplier = None
         if self.config.gemma_layout:
-            x = x * embed_scale(self.config.hidden_size, x.dtype)
+            multiplier = embed_scale(self.config.hidden_size, x.dtype)
+            x = x * multiplier
+        if lora is not None:
+            lora.add_embedding(input_ids, x, multiplier)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             is_local = local_cos_sin is not None and layer.self_attn.window is not None
             x = layer(x, local_cos_sin if is_local else cos_sin, kv_cache, meta, lora)
