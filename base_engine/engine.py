@@ -208,9 +208,9 @@ class LLMEngine:
             seq.times.arrival = arrival
         seq.deterministic = self.determinism.always or params.deterministic
         if seq.deterministic:
-            seq.generator = self.determinism.generator(params.seed)
+            seq.seed = self.determinism.seed(params.seed)
         elif params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+            seq.seed = params.seed
         self.requests[request_id] = seq
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, params, seq.prompt_token_ids)
         self.lora.on_add(seq)
@@ -297,7 +297,7 @@ class LLMEngine:
         if not batch.sampled:
             return []
         rows = [
-            SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.generator)
+            SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.seed)
             for s in batch.sampled
         ]
         sampled = self.sampler(result.logits, rows)

@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from adapters.types import AdapterRef
 from base_engine.sampling_params import SamplingParams
 
@@ -65,7 +63,7 @@ class Sequence:
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this sequence's full blocks
-    generator: torch.Generator | None = None
+    seed: int | None = None  # counter-based sampling seed (base_engine/seeded_uniform.py); None: shared
     error: str | None = None
     error_kind: str | None = None  # RequestOutput.error_kind
     times: SequenceTimes = field(default_factory=SequenceTimes)
