@@ -40,6 +40,9 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     # Every request batch-invariant (base_engine/invariant.py), as `SamplingParams.deterministic` asks.
     deterministic: bool = False
+    # Speculative decoding (base_engine/speculative/): "ngram" or None (off); drafts per step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank")

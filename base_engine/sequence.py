@@ -70,6 +70,7 @@ class Sequence:
     adapter_slot: int = -1  # device slot of its adapter while running (-1 = base model)
     deterministic: bool = False  # runs only in batch-invariant steps (base_engine/invariant.py)
     is_long_rope: bool = False  # its K/V use LongRoPE's long factors (set by the scheduler)
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (speculative/)
 
     @property
     def num_prompt_tokens(self) -> int:
