@@ -61,6 +61,9 @@ class EngineConfig:
     quantization: str | None = None
     # A waiting request gains one priority level per this many seconds (base_engine/priority.py); 0 = off.
     priority_aging_s: float = 30.0
+    # Speculative decoding (base_engine/speculative/): "ngram" or None (off); drafts per step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank")

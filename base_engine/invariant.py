@@ -18,7 +18,7 @@ kernels whose reduction order depends only on the row itself:
     bfloat16 on float32 copies of the operands), never the per-adapter GEMM loop picked from the
     batch's composition.
   * norms, activations, sampling: row-wise already (per-row reductions; each deterministic request
-    draws from its own generator).
+    draws from its own seed: base_engine/seeded_uniform.py).
 Only the CPU path is batch-invariant today: cuBLAS and the Triton kernels' split-K are not, so the
 mode is refused elsewhere with that reason.
 """
@@ -154,7 +154,7 @@ class Determinism:
             return self._reason
         return next((failure for probe in self._probes if (failure := probe.check(self._shapes))), None)
 
-    def generator(self, seed: int | None) -> torch.Generator:
-        """A deterministic request's own generator: its seed, else one drawn for it (never the engine's
+    def seed(self, seed: int | None) -> int:
+        """A deterministic request's own seed: its own, else one drawn for it (never the engine's
         shared generator, whose draws would depend on the other requests of each step)."""
-        return torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
+        return seed if seed is not None else secrets.randbits(63)

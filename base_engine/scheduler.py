@@ -37,11 +37,12 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens of this request computed in this step
     start: int  # its num_computed_tokens before the step (position of the first new token)
+    drafts: list[int] = field(default_factory=list)  # speculative tokens scored after its last one
 
     @property
     def is_sampled(self) -> bool:
         """The step reaches the end of the request's tokens, so it yields a new token."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens == self.seq.num_tokens + len(self.drafts)
 
 
 @dataclass(slots=True)
@@ -137,14 +138,15 @@ class Scheduler:
             seq = self.running[i]
             if not seq.is_long_rope and self._needs_long_rope(seq):
                 self._restart_long_rope(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            drafts = seq.draft_token_ids[: max(0, budget - seq.num_uncomputed_tokens)]
+            num_new = min(seq.num_uncomputed_tokens + len(drafts), budget)
             if self._exceeds_pool(seq, num_new):
                 out.overflowed.append(seq)
                 i += 1
                 continue
             if not self._make_room(seq, num_new, i, out, levels):
                 continue  # seq itself was preempted: the one after it is now at i
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens, drafts))
             budget -= num_new
             i += 1
         # 2. Waiting requests, unless this step had to preempt (memory is tight: let running ones finish).
@@ -278,6 +280,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free_sequence(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
