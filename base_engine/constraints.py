@@ -39,8 +39,43 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 # JSON whitespace: llguidance allows any run of whitespace by default, which lets a weak model pad
-# forever. Like OpenAI's structured outputs, JSON is written on one line, with json.dumps' separators.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# forever (and a small one run into max_tokens). By default JSON is compact: no whitespace outside
+# strings, separators "," and ":" (as xgrammar's disable_any_whitespace). `whitespace=True` (a request's
+# `allow_json_whitespace`) allows any whitespace between tokens again.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+JSON_WHITESPACE_OPTIONS: dict[str, Any] = {"whitespace_flexible": True}
+
+
+def json_options(whitespace: bool) -> dict[str, Any]:
+    return dict(JSON_WHITESPACE_OPTIONS if whitespace else JSON_OPTIONS)
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that lists `properties` and
+    says nothing of other keys, as xgrammar's strict mode (vLLM's default) and OpenAI's strict schemas:
+    a small model otherwise adds keys until `max_tokens`. An explicit `additionalProperties` stays."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONES:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 GRAMMAR_CACHE_SIZE = 128
 _PARALLEL_MIN_ROWS = 4  # below this, filling masks one by one beats the executor's hand-off
 
@@ -175,12 +210,15 @@ class GrammarCompiler:
 
     # ---- grammar text -----------------------------------------------------------------------------
 
-    def json_schema_grammar(self, schema: dict[str, Any] | None) -> str:
-        """Grammar text of a JSON schema; None = any JSON object (OpenAI's ``json_object`` mode)."""
+    def json_schema_grammar(self, schema: dict[str, Any] | None, *, whitespace: bool = False) -> str:
+        """Grammar text of a JSON schema; None = any JSON object (OpenAI's ``json_object`` mode).
+        Compact JSON unless ``whitespace``."""
         if schema is None:
             schema = {"type": "object"}
         try:
-            return str(self._llg.LLMatcher.grammar_from_json_schema(schema, defaults=dict(JSON_OPTIONS)))
+            defaults = json_options(whitespace)
+            closed = closed_objects(schema)
+            return str(self._llg.LLMatcher.grammar_from_json_schema(closed, defaults=defaults))
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"invalid JSON schema: {exc}") from None
 
@@ -206,16 +244,18 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    def compile_json_schema(self, schema: dict[str, Any] | None) -> CompiledGrammar:
-        return self.compile(self.json_schema_grammar(schema))
+    def compile_json_schema(
+        self, schema: dict[str, Any] | None, *, whitespace: bool = False
+    ) -> CompiledGrammar:
+        return self.compile(self.json_schema_grammar(schema, whitespace=whitespace))
 
     def compile_lark(self, lark: str) -> CompiledGrammar:
         return self.compile(self.lark_grammar(lark))
 
 
-def lark_json(schema: dict[str, Any]) -> str:
+def lark_json(schema: dict[str, Any], *, whitespace: bool = False) -> str:
     """``%json {...}`` for a Lark grammar: the schema with this module's JSON whitespace options."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return "%json " + json.dumps({**closed_objects(schema), "x-guidance": json_options(whitespace)})
 
 
 def _short_error(message: str) -> str:

@@ -43,6 +43,10 @@ def _header(obj: Any, data: bytes = b"") -> bytes:
     return len(header).to_bytes(8, "little") + header + data
 
 
+_HEAD = "base_model.model.lm_head.modules_to_save.weight"
+_EMBED = "base_model.model.model.embed_tokens.modules_to_save.weight"
+
+
 def _first(ts: dict[str, torch.Tensor], value: float) -> dict[str, torch.Tensor]:
     name = sorted(ts)[0]
     ts[name][0, 0] = value
@@ -75,6 +79,13 @@ def hostile_uploads(tmp: Path) -> list[tuple[str, str, dict[str, bytes] | None, 
          {**dora, WEIGHTS: _edit(dora, lambda t: _magnitude(t, math.nan))}, None),
         ("DoRA short magnitude", "h-dora-len",
          {**dora, WEIGHTS: _edit(dora, lambda t: _magnitude(t, None))}, None),
+        ("modules_to_save lm_head of the wrong shape", "h-mts-shape", _config(
+            {**good, WEIGHTS: _edit(good, lambda t: {**t, _HEAD: torch.zeros(3, 5)})},
+            modules_to_save=["lm_head"]), None),
+        ("10 GB embedding replacement (header)", "h-mts-10gb", _config(
+            {**good, WEIGHTS: _header({_EMBED: {"dtype": "F32", "shape": [(10 << 30) // 256, 64],
+                                                "data_offsets": [0, 10 << 30]}}, b"\0" * 64)},
+            modules_to_save=["embed_tokens"]), None),
         ("missing config", "h-nocfg", {WEIGHTS: good[WEIGHTS]}, None),
         ("missing weights", "h-now", {CONFIG: good[CONFIG]}, None),
         ("truncated weights", "h-trunc", {**good, WEIGHTS: good[WEIGHTS][: len(good[WEIGHTS]) // 2]}, None),

@@ -31,6 +31,7 @@ from api.inference.sampling import (
 )
 from api.inference.services import Inference
 from api.inference.structured_outputs import request_grammar
+from api.inference.tool_prompt import SYSTEM_PROMPT_TOOLS, TOOLS_HEADER
 from api.inference.tools import ToolPlan, plan_tools
 from api.tenancy.keyfiles import tenant_cache_salt
 from base_engine.async_engine import AsyncEngine, EngineRequest
@@ -101,6 +102,8 @@ def plan_generation(
         n=body.n or 1,
         num_prompt_tokens=sum(len(p) for p in prompts),
     )
+    if tools is not None and tools.in_system_prompt:  # the template cannot render tools (tool_prompt.py)
+        ctx.response_headers[TOOLS_HEADER] = SYSTEM_PROMPT_TOOLS
     seed = request_seed(body, inference.seeds, ctx.request_id)
     deterministic = inference.is_deterministic or bool(body.deterministic)
     if deterministic and (reason := engine.determinism_refusal()) is not None:

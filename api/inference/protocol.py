@@ -86,6 +86,9 @@ class _SamplingFields(_Strict):
     deterministic: StrictBool | None = None
     # OpenAI fields refused unless they have their no-op value
     logit_bias: dict[str, float] | None = None
+    # Ours: constrained JSON (response_format, forced tool calls) may have whitespace between tokens;
+    # by default it is compact (api/inference/structured_outputs.py).
+    allow_json_whitespace: StrictBool | None = None
 
     @field_validator("logit_bias")
     @classmethod

@@ -85,13 +85,16 @@ def parse_response_format(value: dict[str, Any] | None) -> ResponseFormat:
     return ResponseFormat("json_schema", schema)
 
 
-def compile_response_format(engine: Any, fmt: ResponseFormat) -> CompiledGrammar | None:
-    """The compiled grammar of a JSON response format; None for plain text."""
+def compile_response_format(
+    engine: Any, fmt: ResponseFormat, *, whitespace: bool = False
+) -> CompiledGrammar | None:
+    """The compiled grammar of a JSON response format (compact unless `whitespace`); None for text."""
     if fmt.type == "text":
         return None
     compiler = grammar_compiler(engine)
     try:
-        return compiler.compile_json_schema(fmt.schema if fmt.type == "json_schema" else None)
+        schema = fmt.schema if fmt.type == "json_schema" else None
+        return compiler.compile_json_schema(schema, whitespace=whitespace)
     except GrammarError as exc:
         param = "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
         raise _invalid(f"cannot enforce this schema: {exc}", param) from None
@@ -99,9 +102,13 @@ def compile_response_format(engine: Any, fmt: ResponseFormat) -> CompiledGrammar
 
 def request_grammar(engine: Any, body: Any, tools: ToolPlan | None) -> CompiledGrammar | None:
     """The compiled grammar a request's output must follow: its `response_format`, or the forced tool
-    calls of `tool_choice` "required" / a named function; None when the output is free."""
+    calls of `tool_choice` "required" / a named function; None when the output is free. JSON is compact
+    (no whitespace outside strings) unless the body says `allow_json_whitespace: true`."""
     fmt = parse_response_format(getattr(body, "response_format", None))
-    forced = forced_call_grammar(tools, engine.tokenizer) if tools is not None else None
+    whitespace = bool(getattr(body, "allow_json_whitespace", None))
+    forced = None
+    if tools is not None:
+        forced = forced_call_grammar(tools, engine.tokenizer, whitespace=whitespace)
     if fmt.type != "text" and tools is not None and tools.parses:
         raise _invalid(
             "`response_format` cannot be combined with `tools` unless `tool_choice` is 'none'",
@@ -112,4 +119,4 @@ def request_grammar(engine: Any, body: Any, tools: ToolPlan | None) -> CompiledG
             return grammar_compiler(engine).compile_lark(forced)
         except GrammarError as exc:
             raise _invalid(f"cannot enforce calls of these tools: {exc}", "tools") from None
-    return compile_response_format(engine, fmt)
+    return compile_response_format(engine, fmt, whitespace=whitespace)

@@ -39,6 +39,7 @@ from api.inference.tool_parser import (
     ToolFormat,
     new_call_id,
 )
+from api.inference.tool_prompt import system_prompt_messages
 from base_engine.constraints import lark_json
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class ToolPlan:
     function: str | None = None  # the named function
     parallel: bool = True
     special_tokens: tuple[str, ...] = ()  # stripped from content when specials are kept in the text
+    # The template cannot render tools: they go into the system message (api/inference/tool_prompt.py).
+    in_system_prompt: bool = False
 
     @property
     def parses(self) -> bool:
@@ -118,14 +121,6 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Any, override: str | None
     if len(set(names)) != len(names):
         raise _bad("tool function names must be unique", "tools")
     _check_schema_depths(tools)
-    fmt = override if override and override != "auto" else detect_format(tokenizer)
-    if fmt is None:
-        raise _bad(
-            "this model's chat template does not render tools; tool calling is not available for it",
-            "tools",
-        )
-    if fmt not in TOOL_FORMATS:
-        raise APIError(500, f"unknown tool call parser {fmt!r}", code="server_misconfigured")
     parallel = body.parallel_tool_calls is not False
     if choice is None or isinstance(choice, str):
         kind = choice or "auto"
@@ -134,19 +129,39 @@ def plan_tools(body: ChatCompletionRequest, tokenizer: Any, override: str | None
         kind, function = "function", choice.function.name
         if function not in names:
             raise _bad(f"tool_choice names function {function!r}, which is not among `tools`", "tool_choice")
+    fmt = override if override and override != "auto" else detect_format(tokenizer)
+    in_system_prompt = fmt is None and kind in ("required", "function")
+    if in_system_prompt:  # forced calls on any model: tools in the system message, one call by grammar
+        fmt, parallel = "hermes", False
+    if fmt is None:
+        raise _bad(
+            "this model's chat template does not render tools; tool calling is not available for it",
+            "tools",
+        )
+    if fmt not in TOOL_FORMATS:
+        raise APIError(500, f"unknown tool call parser {fmt!r}", code="server_misconfigured")
     specials = tuple(getattr(tokenizer, "all_special_tokens", ()) or ())
-    return ToolPlan(fmt, list(tools), kind, function, parallel, specials)  # type: ignore[arg-type]
+    plan = ToolPlan(fmt, list(tools), kind, function, parallel, specials, in_system_prompt)  # type: ignore[arg-type]
+    return plan
 
 
 def template_messages(body: ChatCompletionRequest, plan: ToolPlan | None) -> list[dict[str, Any]]:
     """Messages as chat templates expect them (tool-call arguments as objects, tool results by id)."""
     fmt = plan.format if plan else None
-    return [_template_message(m, fmt) for m in body.messages]
+    messages = [_template_message(m, fmt) for m in body.messages]
+    if plan is not None and plan.in_system_prompt:
+        return system_prompt_messages(messages, _openai_tools(plan))
+    return messages
 
 
 def template_tools(plan: ToolPlan | None) -> list[dict[str, Any]] | None:
-    if plan is None:
+    """`tools` for the chat template; None without tools or when they are in the system message."""
+    if plan is None or plan.in_system_prompt:
         return None
+    return _openai_tools(plan)
+
+
+def _openai_tools(plan: ToolPlan) -> list[dict[str, Any]]:
     return [
         {
             "type": "function",
@@ -218,7 +233,7 @@ def _lark_marker(tokenizer: Any, marker: str) -> str:
     return json.dumps(marker)
 
 
-def forced_call_grammar(plan: ToolPlan, tokenizer: Any) -> str | None:
+def forced_call_grammar(plan: ToolPlan, tokenizer: Any, *, whitespace: bool = False) -> str | None:
     """A Lark grammar (llguidance dialect) of the calls that "required" or a named choice allows, in the
     checkpoint's own syntax; None when nothing is forced."""
     if plan.choice not in ("required", "function"):
@@ -230,13 +245,14 @@ def forced_call_grammar(plan: ToolPlan, tokenizer: Any) -> str | None:
     if plan.format == "mistral":
         marker = tokenizer.convert_tokens_to_ids(MISTRAL_MARKER)
         array = {"type": "array", "items": one, "minItems": 1, **({} if many else {"maxItems": 1})}
-        return f'start: <[{int(marker)}]> " "? calls\ncalls: {lark_json(array)}\n'
+        return f'start: <[{int(marker)}]> " "? calls\ncalls: {lark_json(array, whitespace=whitespace)}\n'
+    obj = lark_json(one, whitespace=whitespace)
     if plan.format == "hermes":
         repeat = ' ("\\n" call)*' if many else ""
         open_, close = _lark_marker(tokenizer, HERMES_OPEN), _lark_marker(tokenizer, HERMES_CLOSE)
-        return f'start: call{repeat}\ncall: {open_} "\\n" obj "\\n" {close}\nobj: {lark_json(one)}\n'
+        return f'start: call{repeat}\ncall: {open_} "\\n" obj "\\n" {close}\nobj: {obj}\n'
     repeat = ' ("; " obj)*' if many else ""
-    return f"start: obj{repeat}\nobj: {lark_json(one)}\n"
+    return f"start: obj{repeat}\nobj: {obj}\n"
 
 
 # ---- the finished message (parsing itself: api/inference/tool_parser.py)

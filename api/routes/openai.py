@@ -11,6 +11,8 @@ from api.errors import model_not_found, responses
 from api.inference.completions import create_completion
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from api.inference.provenance import OPENAPI_HEADERS
+from api.inference.responses_output import create_response
+from api.inference.responses_protocol import ResponsesRequest
 from api.state import AppState
 from registry.adapters import list_adapters
 
@@ -39,6 +41,16 @@ async def chat_completions(
 ) -> Response:
     return await create_completion(
         inference=inference, request=request, session=session, caller=caller, body=body, kind="chat"
+    )
+
+
+@router.post("/responses", responses=_ANSWER | responses(400, 401, 404, 429, 504))
+async def create_responses(
+    body: ResponsesRequest, request: Request, inference: InferenceDep, session: SessionDep, caller: TenantDep
+) -> Response:
+    """OpenAI's Responses API over the chat path (api/inference/responses_output.py); nothing is stored."""
+    return await create_response(
+        inference=inference, request=request, session=session, caller=caller, body=body
     )
 
 

@@ -90,7 +90,7 @@ def test_preemption_keeps_the_matcher_consistent(tiny_llama_dir: Path, compiler:
 
 def test_sync_rolls_back_tokens_the_engine_did_not_keep(compiler: GrammarCompiler) -> None:
     constraint = compiler.compile_json_schema(SCHEMA).new_constraint()
-    ids = compiler.tokenizer.tokenize_str('{"name": "x')
+    ids = compiler.tokenizer.tokenize_str('{"name":"x')  # compact JSON: no space after ':'
     constraint.sync(ids)
     assert constraint.num_consumed == len(ids)
     before = allowed_tokens([constraint], compiler.vocab_size)

@@ -21,8 +21,9 @@ from api.admin.service import audit_view, key_view, tenant_view
 from api.routes.usage import COLUMNS, admin_summary
 from api.tenant_adapters.views import Residency
 from base_engine.async_engine import AsyncEngine
-from registry.adapters import list_adapters
+from registry.adapters import get_adapter, list_adapters
 from registry.audit import list_audit
+from registry.errors import NotFound
 from registry.keys import list_keys
 from registry.tenants import get_tenant, list_tenants
 from registry.types import AdapterVersionInfo, TenantInfo
@@ -170,6 +171,46 @@ def _adapter_row(
         is_pinned=info.ref_id in pinned,
         usage=usage.get(f"{info.name}@{info.version}", NO_USAGE),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class CoverageRow:
+    layer: int
+    module: str
+    kind: str
+    rank: int
+    scale: float
+    delta_fro: float
+    relative_delta: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterDetail:
+    row: AdapterRow
+    kinds: list[str] | None  # None: uploaded before coverage reports were stored
+    warning: str | None
+    coverage: list[CoverageRow]  # by layer, then module
+
+
+def adapter_detail(
+    session: Session, *, engine: AsyncEngine, residency: Residency, tenant_id: str, name: str, version: int
+) -> AdapterDetail:
+    """One ready adapter version with its coverage report (adapters/coverage.py, as stored at upload)."""
+    infos = [v for v in get_adapter(session, tenant_id=tenant_id, name=name) if v.version == version]
+    if not infos:
+        raise NotFound("adapter version", f"{name}@{version}")
+    row = next(r for r in adapter_rows(session, engine=engine, residency=residency, tenant_id=tenant_id)
+               if r.name == name and r.version == version)  # fmt: skip
+    report = infos[0].coverage
+    if report is None:
+        return AdapterDetail(row=row, kinds=None, warning=None, coverage=[])
+    cells = [
+        CoverageRow(layer=int(layer), module=module, **fields)
+        for layer, modules in report["layers"].items()
+        for module, fields in modules.items()
+    ]
+    cells.sort(key=lambda c: (c.layer, c.module))
+    return AdapterDetail(row=row, kinds=list(report["kinds"]), warning=report["warning"], coverage=cells)
 
 
 def _pinned(engine: AsyncEngine) -> list[str]:

@@ -123,6 +123,29 @@ async def adapters_page(request: Request, console: ConsoleDep, db: SessionDep, s
     return console.page(request, "adapters.html", session=session, rows=rows)
 
 
+@router.get("/adapters/{tenant_id}/{name}/{version}", response_class=HTMLResponse)
+async def adapter_page(
+    request: Request,
+    console: ConsoleDep,
+    db: SessionDep,
+    session: LoginDep,
+    tenant_id: str,
+    name: str,
+    version: int,
+) -> Response:
+    """One adapter version: what its coverage report says it changes, layer by layer."""
+    await _flush_usage(console)
+    services = console.services
+    try:
+        detail = await run_in_threadpool(
+            data.adapter_detail, db, engine=services.engine, residency=services.residency,
+            tenant_id=tenant_id, name=name, version=version,
+        )  # fmt: skip
+    except RegistryError as exc:
+        raise from_registry_error(exc) from None
+    return console.page(request, "adapter.html", session=session, detail=detail)
+
+
 @router.get("/fleet", response_class=HTMLResponse)
 async def fleet_page(request: Request, console: ConsoleDep, db: SessionDep, session: LoginDep) -> Response:
     """Replicas and what each holds; in single-process mode this process alone."""

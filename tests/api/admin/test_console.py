@@ -170,6 +170,35 @@ def test_uploaded_adapter_is_listed_with_its_residency(
         assert "helper@1 unpinned" in page.text_content(".flash")
 
 
+def test_adapter_page_shows_the_coverage_report(
+    page: Any, server: Server, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    with screenshots_on_failure(page, server, tmp_path):
+        _, key = server.tenant("coverage")
+        adapter = peft_adapter(tiny_llama_dir, tmp_path / "lora", rank=4)
+        files = [
+            ("files", (f, (adapter / f).read_bytes()))
+            for f in ("adapter_config.json", "adapter_model.safetensors")
+        ]
+        r = httpx.post(f"{server.base_url}/v1/adapters", data={"name": "covered"}, files=files,
+                       headers={"Authorization": f"Bearer {key}"}, timeout=60)  # fmt: skip
+        assert r.status_code == 201, r.text
+        coverage = r.json()["coverage"]
+
+        sign_in(page, server.admin_key)
+        page.goto("/admin/adapters")
+        page.locator('tr[data-adapter="covered@1"] a.adapter-detail').click()
+        assert page.text_content("h1").startswith("Adapter covered@1")
+        assert page.text_content("#coverage-kinds") == ", ".join(coverage["kinds"]) == "lora"
+        rows = page.locator("#coverage-table tbody tr")
+        expected = sum(len(modules) for modules in coverage["layers"].values())
+        assert rows.count() == expected > 0
+        first = rows.first
+        layer, module = first.get_attribute("data-layer"), first.get_attribute("data-module")
+        shown = float(first.locator("td[data-value]").first.get_attribute("data-value"))
+        assert shown == coverage["layers"][layer][module]["delta_fro"]
+
+
 def test_dashboard_numbers_change_while_requests_run(page: Any, server: Server, tmp_path: Path) -> None:
     with screenshots_on_failure(page, server, tmp_path):
         _, key = server.tenant("dash")

@@ -165,6 +165,33 @@ def test_adapters_page_lists_every_tenants_adapters_with_residency_and_pins(
     assert gone.status_code == 404
 
 
+def test_adapter_page_shows_the_coverage_report_the_tenant_api_returns(
+    app: FastAPI, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    client = browser(app)
+    csrf = login(client)
+    tenant_id, key = create_tenant(client, csrf, new_tenant_name())
+    upload(app, key, "covered", peft_adapter(tiny_llama_dir, tmp_path / "lora", rank=4))
+    listing = adapter_row(client.get("/admin/adapters").text, "covered@1")
+    assert f'href="/admin/adapters/{tenant_id}/covered/1"' in listing
+    report = client.get("/v1/adapters/covered", headers={"Authorization": f"Bearer {key}"}).json()
+    coverage = report["versions"][0]["coverage"]
+    page = client.get(f"/admin/adapters/{tenant_id}/covered/1")
+    assert page.status_code == 200
+    kinds = re.search(r'id="coverage-kinds">([^<]*)<', page.text)
+    assert kinds and kinds.group(1) == ", ".join(coverage["kinds"]) == "lora"
+    shown = re.findall(r'<tr data-layer="(\d+)" data-module="(\w+)">.*?</tr>', page.text, re.S)
+    expected = sorted((int(layer), module) for layer, mods in coverage["layers"].items() for module in mods)
+    assert [(int(layer), module) for layer, module in shown] == expected and expected
+    for layer, modules in coverage["layers"].items():
+        for module, fields in modules.items():
+            row = re.search(rf'<tr data-layer="{layer}" data-module="{module}">.*?</tr>', page.text, re.S)
+            assert row and f'data-value="{fields["delta_fro"]}"' in row.group(0)
+            assert f'data-value="{fields["relative_delta"]}"' in row.group(0)
+    assert client.get(f"/admin/adapters/{tenant_id}/covered/2").status_code == 404
+    assert client.get(f"/admin/adapters/{tenant_id}/nothing/1").status_code == 404
+
+
 # ---- usage ------------------------------------------------------------------------------------------
 
 

@@ -107,7 +107,7 @@ def test_forced_grammars_compile_and_accept_a_call(fmt: str, choice: str) -> Non
     eos = tokenizer.eos_token_id
     compiled = GrammarCompiler(tokenizer, 512, [eos]).compile_lark(grammar)
     key = "parameters" if fmt == "llama3_json" else "arguments"
-    call = f'{{"name": "get_time", "{key}": {{}}}}'
+    call = f'{{"name":"get_time","{key}":{{}}}}'  # compact: no whitespace outside strings
     text = {
         "hermes": f"<tool_call>\n{call}\n</tool_call>",
         "mistral": f"[TOOL_CALLS] [{call}]",
