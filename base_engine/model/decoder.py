@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Gemma 2/3 with the pieces of gemma.py) over a
-paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Gemma 2/3 with the pieces of gemma.py; the MoE
+families with the block of moe.py) over a paged KV cache.
 
 Module and parameter names mirror the Hugging Face checkpoints, except that q/k/v and gate/up are
 packed into one projection each (one matmul instead of three/two); `PACKED` maps checkpoint names to
@@ -17,6 +17,7 @@ from torch import nn
 from base_engine.invariant import invariant_linear
 from base_engine.model.config import ModelConfig
 from base_engine.model.gemma import GemmaDecoderLayer, GemmaRMSNorm, embed_scale, softcap
+from base_engine.model.moe import SparseMoeBlock
 from base_engine.model.rope import apply_rope
 from base_engine.runner.attention import AttentionMetadata, attend, write_kv
 
@@ -142,7 +143,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer)
+        self.mlp = _mlp(config, layer)
 
     def forward(
         self,
@@ -154,6 +155,13 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora, meta.invariant)
+
+
+def _mlp(config: ModelConfig, layer: int) -> nn.Module:
+    """Routed experts on the sparse layers of an MoE model (moe.py), else the dense MLP."""
+    if config.moe is not None and config.moe.sparse_layers[layer]:
+        return SparseMoeBlock(config.moe, config.hidden_size, layer)
+    return MLP(config, layer)
 
 
 def _norm(config: ModelConfig, size: int) -> nn.Module:
