@@ -12,8 +12,8 @@ Pickle (`adapter_model.bin`) is never loaded. DoRA (`use_dora`, Liu et al. 2024,
 adds `...lora_magnitude_vector` [out_features] per module (checked here; the served scale needs the base
 weights and is computed at load, adapters/dora.py). Embedding LoRA on `embed_tokens`:
 `...lora_embedding_A` [r, vocab] and `...lora_embedding_B` [hidden, r] (`LoraAdapter.embedding`).
-Anything else PEFT would apply differently from `W x + scale * B A x` on the seven projections is refused with an `AdapterFormatError` naming the
-field or tensor (see adapters/README.md).
+Anything else PEFT would apply differently from `W x + scale * B A x` on the seven projections is
+refused with an `AdapterFormatError` naming the field or tensor (see adapters/README.md).
 
 The steps live next to this module: files.py reads the two files, safetensors_header.py checks the
 weights' header (and maps tensors without copying), factors.py maps tensor names to projections and
