@@ -142,6 +142,14 @@ class Determinism:
                 "deterministic mode is not available with quantization int8 (its weight-only int8 GEMM "
                 "is not probed batch-invariant); serve without --quantization for deterministic requests"
             )
+        if self._reason is None and any(
+            getattr(m, "shared_expert", None) is not None for m in model.modules()
+        ):
+            # Measured: a Qwen2-MoE row's output changes once a step holds 18 or more rows.
+            self._reason = (
+                "deterministic mode is not available for MoE models with a gated shared expert "
+                "(Qwen2-MoE): their steps are not yet batch-invariant; serve without deterministic requests"
+            )
         self._shapes = linear_shapes(model, column_chunk=column_chunk)
         # A bf16 CPU engine computes its logits in float32 (CausalLM.keep_float32_logits): both probed.
         self._probes = [GemmProbe(dtype)] + ([GemmProbe(torch.float32)] if dtype != torch.float32 else [])
