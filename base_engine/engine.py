@@ -18,6 +18,7 @@ from base_engine.block_manager import BlockManager
 from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
 from base_engine.invariant import Determinism
+from base_engine.logit_rules import check_rule_token_ids
 from base_engine.lora import LoraStepBatch, ModelWeights, make_lora_manager
 from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
@@ -109,7 +110,7 @@ class LLMEngine:
             device=self.device,
             attention=self.config.attention,
         )
-        self.sampler = Sampler(seed=self.config.seed)
+        self.sampler = Sampler(seed=self.config.seed, eos_token_ids=self.eos_token_ids)
         self.determinism = Determinism(
             model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
         )
@@ -188,6 +189,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.deterministic and (reason := self.determinism.refusal()) is not None:
             raise ValueError(reason)
+        check_rule_token_ids(params, self.model_config.vocab_size)
 
     def add_request(
         self,
