@@ -112,7 +112,7 @@ def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list
     if not items:
         raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     for item in items:  # all before any is encoded
-        if isinstance(item, str):
+        if isinstance(item, str) and body.truncate_prompt_tokens is None:  # a truncated prompt may be long
             refuse_unfittable_text(engine.tokenizer, item, engine.max_model_len, "prompt")
     encoded = []
     for item in items:
@@ -137,7 +137,8 @@ def encode_chat_prompt(
         text = render_chat(tokenizer, messages, variables=body.chat_template_kwargs, **kwargs)
     except ValueError as exc:
         raise template_error(exc, body.chat_template_kwargs) from None
-    refuse_unfittable_text(tokenizer, text, max_model_len, "messages")
+    if body.truncate_prompt_tokens is None:  # a truncated prompt may be long
+        refuse_unfittable_text(tokenizer, text, max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -224,6 +225,7 @@ def sampling_params(
     keep_special_tokens: bool = False,
     seed: int | None = None,
     deterministic: bool = False,
+    rules: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The engine's parameters for choice `index` of a prompt of `num_prompt` tokens.
 
@@ -234,7 +236,9 @@ def sampling_params(
 
     `constraint`: this choice's own grammar matcher (api/inference/structured_outputs.py);
     `keep_special_tokens`:
-    the text keeps special tokens (a tool-call marker that is one), whatever the request asked."""
+    the text keeps special tokens (a tool-call marker that is one), whatever the request asked.
+
+    `rules`: the request's logit rules (api/inference/logit_fields.py: `logit_rule_options`)."""
     options: dict[str, Any] = {
         "max_tokens": _max_tokens(body, num_prompt, max_model_len),
         "temperature": body.temperature,
@@ -253,6 +257,7 @@ def sampling_params(
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "constraint": constraint,
         "deterministic": deterministic or bool(body.deterministic),
+        **(rules or {}),
     }
     for key, value in (defaults or {}).items():
         if options.get(key) is None:
