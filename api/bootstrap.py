@@ -62,6 +62,22 @@ from registry.types import TenantQuotas
 logger = logging.getLogger(__name__)
 
 
+class StartError(Exception):
+    """The server cannot start for a reason its operator can fix (an unsupported checkpoint, a limit the
+    model cannot meet): the CLI prints the message alone and exits with status 2."""
+
+
+def checked_model(settings: Settings) -> Path:
+    """`resolve_model`, with its config read (architecture, shapes) so a checkpoint we cannot serve is
+    refused before anything else starts."""
+    try:
+        model_dir = resolve_model(settings)
+        load_model_config(model_dir)
+    except ValueError as exc:
+        raise StartError(str(exc)) from None
+    return model_dir
+
+
 def resolve_model(settings: Settings) -> Path:
     """The checkpoint directory `--model` names, made on first use: downloaded, converted from GGUF,
     or the random demo model written into the data dir."""
@@ -73,6 +89,7 @@ def resolve_model(settings: Settings) -> Path:
 def build_state(settings: Settings) -> AppState:
     check_fleet_settings(settings)  # a fleet replica: PostgreSQL + S3 + provided admin key, or refuse
     data_dir = make_private_dir(settings.data_dir)  # 0700: keys, database, journal, adapters
+    model_dir = checked_model(settings)  # fails fast: before migrations, registry and secrets
     make_private_database(settings.db_url)
     if settings.fleet:
         check_fleet_schema(settings)  # migrations run once per deploy (`loraserve db upgrade`)
@@ -81,16 +98,18 @@ def build_state(settings: Settings) -> AppState:
     sessions, store = _open_registry(settings)
     disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
     adapter_fetch = AdapterFetch(disk, wait_s=settings.adapter_fetch_wait_s)
-    model_dir = resolve_model(settings)
     record_served_model(data_dir, settings.model_source)
     admin_key, admin_created, server_secret = _secrets(settings, data_dir)
-    engine = LLMEngine(
-        model_dir,
-        device=settings.device,
-        dtype=settings.dtype,
-        config=settings.engine_config(),
-        fetch=adapter_fetch,
-    )
+    try:
+        engine = LLMEngine(
+            model_dir,
+            device=settings.device,
+            dtype=settings.dtype,
+            config=settings.engine_config(),
+            fetch=adapter_fetch,
+        )
+    except ValueError as exc:  # e.g. a max_model_len the model cannot reach
+        raise StartError(str(exc)) from None
     async_engine = AsyncEngine(engine)
     provenance = server_provenance(
         model_dir=model_dir,

@@ -184,7 +184,7 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from None
     from api.app import run_server
-    from api.bootstrap import banner, build_state
+    from api.bootstrap import StartError, banner, build_state
 
     try:
         source = settings.model_source
@@ -199,7 +199,7 @@ def serve(
     os.umask(0o077)  # whatever the server writes is private to its user (api/tenancy/keyfiles.py)
     try:
         state = build_state(settings)
-    except FleetStartError as exc:  # e.g. the shared database is not migrated
+    except (FleetStartError, StartError) as exc:  # e.g. an unsupported checkpoint: one line, no traceback
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(banner(state))
