@@ -29,6 +29,7 @@ from api.inference.limits import RequestLimits
 from api.inference.provenance import server_provenance
 from api.inference.sampling import SeedSource
 from api.inference.services import Inference
+from api.inference.tool_parser import TOOL_FORMATS
 from api.metering.request_meter import open_meter
 from api.metrics.prometheus import Metrics
 from api.metrics.sampler import MetricsSampler
@@ -47,6 +48,7 @@ from api.tenancy.keyfiles import (
 from api.tenancy.plan_gate import PlanGate
 from api.tenancy.quota_gate import TenantQuotaGate
 from api.tenancy.quotas_db import open_limiter
+from api.tenancy.static_tenant import StaticTenantError, ensure_static_tenant
 from base_engine.async_engine import AsyncEngine
 from base_engine.engine import LLMEngine
 from base_engine.identity import describe_engine
@@ -90,6 +92,8 @@ def build_state(settings: Settings) -> AppState:
     check_fleet_settings(settings)  # a fleet replica: PostgreSQL + S3 + provided admin key, or refuse
     data_dir = make_private_dir(settings.data_dir)  # 0700: keys, database, journal, adapters
     model_dir = checked_model(settings)  # fails fast: before migrations, registry and secrets
+    check_tool_call_parser(settings.tool_call_parser)
+    chat_template = chat_template_text(settings.chat_template) if settings.chat_template else None
     make_private_database(settings.db_url)
     if settings.fleet:
         check_fleet_schema(settings)  # migrations run once per deploy (`loraserve db upgrade`)
@@ -110,6 +114,8 @@ def build_state(settings: Settings) -> AppState:
         )
     except ValueError as exc:  # e.g. a max_model_len the model cannot reach
         raise StartError(str(exc)) from None
+    if chat_template is not None:  # before anything renders a chat or reads the template's tool syntax
+        engine.tokenizer.chat_template = chat_template
     async_engine = AsyncEngine(engine)
     provenance = server_provenance(
         model_dir=model_dir,
@@ -154,6 +160,21 @@ def build_state(settings: Settings) -> AppState:
             base_model=state.model_name,
             random_adapters=settings.is_random_demo,
         )
+    if settings.lora_modules or settings.static_api_key is not None:  # `vllm serve` flags
+        try:
+            issued = ensure_static_tenant(
+                sessions=sessions,
+                store=store,
+                data_dir=data_dir,
+                tenant=settings.static_tenant,
+                lora_modules=settings.lora_modules,
+                validate=state.validator(),
+                base_model=state.model_name,
+            )
+        except StaticTenantError as exc:
+            raise StartError(str(exc)) from None
+        if settings.static_api_key is not None:
+            state.static_key_alias = (settings.static_api_key.get_secret_value(), issued)
     return state
 
 
@@ -247,7 +268,26 @@ def _inference(
         inflight=InFlight(meter=meter, metrics=metrics),
         plan_gate=PlanGate(settings.max_concurrent_plans_per_tenant),
         adapter_fetch=adapter_fetch,
+        tool_call_parser=settings.tool_call_parser,
     )
+
+
+def check_tool_call_parser(name: str | None) -> None:
+    """vLLM's --tool-call-parser names one of our tool syntaxes (or auto: the template's)."""
+    if name is not None and name not in (*TOOL_FORMATS, "auto"):
+        raise StartError(f"--tool-call-parser {name!r} is not served; expected one of {list(TOOL_FORMATS)}")
+
+
+def chat_template_text(value: str) -> str:
+    """vLLM's --chat-template: the text of the file it names, else the value itself when it looks like a
+    Jinja template."""
+    path = Path(value)
+    if "{" not in value and "\n" not in value:
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise StartError(f"--chat-template {value!r}: cannot read the file ({exc.strerror})") from None
+    return value
 
 
 def build_console(state: AppState) -> Console:

@@ -85,7 +85,7 @@ def plan_generation(
     adapter = resolve_model(model_name=inference.model_name, session=session, caller=caller, model=body.model)
     tools = None
     if isinstance(body, ChatCompletionRequest):
-        tools = plan_tools(body, engine.tokenizer)
+        tools = plan_tools(body, engine.tokenizer, override=inference.tool_call_parser)
         prompts = [encode_chat_prompt(engine.tokenizer, body, tools, engine.max_model_len)]
     else:
         prompts = encode_completion_prompts(engine, body)
