@@ -131,7 +131,7 @@ def encode_chat_prompt(
 ) -> list[int]:
     """The rendered chat; with a tool plan, `tools` and tool turns go through the template too. The
     template writes BOS itself: nothing is added."""
-    messages = template_messages(body, tools)
+    messages = developer_as_system(template_messages(body, tools), tokenizer)
     kwargs = {"tools": template_tools(tools)} if tools is not None else {}
     try:
         text = render_chat(tokenizer, messages, variables=body.chat_template_kwargs, **kwargs)
@@ -140,6 +140,15 @@ def encode_chat_prompt(
     if body.truncate_prompt_tokens is None:  # a truncated prompt may be long
         refuse_unfittable_text(tokenizer, text, max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def developer_as_system(messages: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
+    """OpenAI's `developer` role renders as `system` when the chat template names no developer role, as
+    OpenAI and vLLM do."""
+    template = getattr(tokenizer, "chat_template", None)
+    if "developer" in (template if isinstance(template, str) else json.dumps(template)):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 def template_error(exc: ValueError, variables: dict[str, Any] | None) -> APIError:

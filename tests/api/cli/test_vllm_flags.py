@@ -68,6 +68,15 @@ def test_a_vllm_command_line_serves_with_the_static_key(vllm_server: str, model_
     assert wrong.status_code == 401
 
 
+@pytest.mark.slow
+def test_ping_and_version(vllm_server: str) -> None:
+    for method in ("GET", "POST"):
+        ping = httpx.request(method, f"{vllm_server}/ping", timeout=30)
+        assert (ping.status_code, ping.content) == (200, b"")
+    version = httpx.get(f"{vllm_server}/version", timeout=30)
+    assert version.status_code == 200 and version.json()["version"].startswith("0.")
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
