@@ -32,7 +32,7 @@ from api.errors import install_error_handlers
 from api.http.body_limit import BodyLimit
 from api.http.key_alias import KeyAlias
 from api.http.key_guard import GuardedRoute, KeyGuard
-from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage
+from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage, vllm_lora
 from api.server import run
 from api.state import AppState
 
@@ -73,7 +73,7 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
         BodyLimit, max_bytes=settings.max_request_body_bytes, timeout_s=settings.request_body_timeout_s
     )
     routers = (openai.router, tokenize.router, adapters.router, admin.router, health.router, usage.router)
-    routers = (*routers, adapter_import.router, *extra_routers)
+    routers = (*routers, adapter_import.router, vllm_lora.router, *extra_routers)
     for router in routers:
         app.include_router(router)
     # Outside BodyLimit: a body sent with a key its route refuses is never read, let alone parsed.
