@@ -39,7 +39,7 @@ async def ping(state: StateDep) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/version")
+@router.get("/version", responses=responses())
 async def version() -> dict[str, str]:
     """The server's version, as vLLM's `/version`."""
     return {"version": importlib.metadata.version("loraserve")}

@@ -46,7 +46,7 @@ def lora_uri(path: str) -> str:
 
 @router.post(
     "/v1/load_lora_adapter",
-    response_class=PlainTextResponse,
+    response_model=None,
     responses=_LOAD_STATUSES,
 )
 async def load_lora_adapter(body: LoadLoraRequest, state: StateDep, caller: TenantDep) -> PlainTextResponse:
@@ -60,7 +60,7 @@ async def load_lora_adapter(body: LoadLoraRequest, state: StateDep, caller: Tena
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=responses(400, 401, 404))
+@router.post("/v1/unload_lora_adapter", response_model=None, responses=responses(400, 401, 404))
 def unload_lora_adapter(
     body: UnloadLoraRequest, state: StateDep, session: SessionDep, caller: TenantDep
 ) -> PlainTextResponse:
