@@ -93,6 +93,14 @@ class _SamplingFields(_Strict):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's structured output fields (api/inference/guided.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     use_beam_search: bool | None = None  # refused when true: beam search is not served
     length_penalty: float | None = None  # beam search only: refused unless 1.0
     # Ours: constrained JSON (response_format, forced tool calls) may have whitespace between tokens;
