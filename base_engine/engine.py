@@ -5,6 +5,7 @@ Synchronous and single-threaded; `LLM` drives it offline and `AsyncEngine` from 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from functools import cached_property
@@ -24,7 +25,7 @@ from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
 from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
-from base_engine.outputs import NON_FINITE, EngineStats, RequestOutput
+from base_engine.outputs import ITERATION_TOKEN_BUCKETS, NON_FINITE, EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
 from base_engine.runner.cuda_graphs import DecodeGraphs
 from base_engine.runner.device import check_device, resolve_dtype
@@ -121,6 +122,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
         self.num_steps = 0
+        self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # EngineStats'
+        self.iteration_tokens_sum = 0
         self.step_request_ids: list[str] = []  # requests of the step in progress (failed if it raises)
         # Outputs of the step in progress, appended as they are made: when a step raises, the finals
         # of the requests it already finished are still here to be delivered.
@@ -250,6 +253,11 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         self.num_steps += 1
+        # [1, 8, 16, ...]: a step of 9 tokens counts in the bucket of 16
+        self.iteration_token_counts[
+            bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sched.num_batched_tokens)
+        ] += 1
+        self.iteration_tokens_sum += sched.num_batched_tokens
         invariant = self.determinism.always or any(item.seq.deterministic for item in sched.scheduled)
         batch = self._prepare(sched, invariant=invariant)
         self.runner.clear_blocks(self.block_manager.take_fresh_blocks())
@@ -366,4 +374,6 @@ class LLMEngine:
             num_prefix_hits=bm.num_prefix_hits,
             num_steps=self.num_steps,
             adapters=self.lora.stats(self.scheduler.running, self.scheduler.waiting),
+            iteration_token_counts=tuple(self.iteration_token_counts),
+            iteration_tokens_sum=self.iteration_tokens_sum,
         )
