@@ -12,13 +12,15 @@ picks the victim among those (S-LoRA's unified cache, without paging: slots are 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from adapters.dora import with_dora_scales
+from adapters.embedding import without_embedding_copy
 from adapters.eviction import EvictionPolicy, LruEviction
 from adapters.format import LoraAdapter, LoraPair, load_adapter
 from adapters.loader import AdapterLoader, Fetch, PendingLoad
@@ -37,6 +39,13 @@ class CacheStats:
     num_misses: int = 0  # activations that had to copy it into a slot
     num_evictions: int = 0  # adapters dropped from a slot to make room
     num_cpu_evictions: int = 0
+    # The latest durations, for the load-time histogram (the metrics side reads those it has not seen,
+    # by the totals `num_loads` / `num_misses`): background loads and host -> slot copies.
+    recent_load_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_DURATIONS))
+    recent_activate_s: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_DURATIONS))
+
+
+RECENT_DURATIONS = 256
 
 
 @dataclass(slots=True)
@@ -79,7 +88,7 @@ class AdapterCache:
     def _parse(self, path: Path) -> LoraAdapter:
         """Parse and check one adapter directory, then precompute DoRA's scales (loader threads)."""
         adapter = load_adapter(path, base=self.base, dtype=self.dtype, max_lora_rank=self.max_lora_rank)
-        return with_dora_scales(adapter, self.base_weights)
+        return with_dora_scales(without_embedding_copy(adapter, self.base_weights), self.base_weights)
 
     @property
     def pending(self) -> dict[str, PendingLoad]:
@@ -92,6 +101,10 @@ class AdapterCache:
         out = {ref_id: "cpu" for ref_id in self.host}
         out.update({ref_id: "gpu" for ref_id in self.slot_of})
         return out
+
+    def ranks(self) -> dict[str, int]:
+        """ref.id -> the adapter's rank (its largest over modules), for every host-tier adapter."""
+        return {ref_id: adapter.max_rank for ref_id, adapter in self.host.items()}
 
     def error(self, ref: AdapterRef) -> str | None:
         """Why `ref` cannot be served now, or None (loaded, loading, or a failure whose pause is over:
@@ -123,6 +136,7 @@ class AdapterCache:
                 adapter = _pin_host_memory(adapter)
             self.stats.num_loads += 1
             self.stats.load_seconds += seconds
+            self.stats.recent_load_s.append(seconds)
             self.host[ref_id] = adapter
             self.host_bytes[ref_id] = adapter_bytes(adapter)
             self._trim_host(keep=ref_id)
@@ -194,7 +208,9 @@ class AdapterCache:
             slot = self._free_slot()
             if slot is None:
                 return None
+            started = time.perf_counter()
             self.pool.write(slot, self.host[ref.id])
+            self.stats.recent_activate_s.append(time.perf_counter() - started)
             self.slots[slot].ref = ref
             self.slot_of[ref.id] = slot
             self.stats.num_misses += 1
@@ -266,10 +282,12 @@ class AdapterCache:
 
 
 def adapter_bytes(adapter: LoraAdapter) -> int:
-    """Host bytes of the factors and of DoRA's vectors (magnitude, out_scale, out_shift)."""
+    """Host bytes of the factors, of DoRA's vectors (magnitude, out_scale, out_shift) and of the
+    embedding LoRA's factors."""
+    pairs = [*adapter.weights.values(), *([] if adapter.embedding is None else [adapter.embedding])]
     return sum(
         t.numel() * t.element_size()
-        for p in adapter.weights.values()
+        for p in pairs
         for t in (p.a, p.b, p.magnitude, p.out_scale, p.out_shift)
         if t is not None
     )
@@ -285,4 +303,9 @@ def _pin_host_memory(adapter: LoraAdapter) -> LoraAdapter:
         )
         for k, p in adapter.weights.items()
     }
-    return LoraAdapter(rank_by_module=adapter.rank_by_module, max_rank=adapter.max_rank, weights=weights)
+    embedding = adapter.embedding
+    if embedding is not None:
+        embedding = LoraPair(embedding.a.pin_memory(), embedding.b.pin_memory(), embedding.scale)
+    return LoraAdapter(
+        rank_by_module=adapter.rank_by_module, max_rank=adapter.max_rank, weights=weights, embedding=embedding
+    )

@@ -4,7 +4,8 @@ with the version: per (layer, module) rank, scale, kind and the relative size of
 [out, in] product). An adapter that changes nothing is refused by name: every delta exactly zero (PEFT's
 default init saves lora_B = 0) and no DoRA module (a DoRA magnitude can rescale even with zero factors).
 No module matched and every target in an excluded layer are refused earlier (peft_targets.py). A delta
-below `NEGLIGIBLE` relative everywhere is accepted with a warning."""
+below `NEGLIGIBLE` relative everywhere is accepted with a warning. An embedding LoRA is listed as layer -1,
+module "embed_tokens", kind "embedding" (its relative delta against the embedding matrix)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from collections.abc import Mapping
 
 import torch
 
-from adapters.format import LoraAdapter
+from adapters.format import LoraAdapter, LoraPair
 from adapters.types import LORA_MODULES, AdapterValidationError, CoverageReport, ModuleCoverage
 
+EMBEDDING_LAYER = -1  # the layer index of an embedding LoRA's row (peft_targets.EMBEDDING_TARGET)
 NEGLIGIBLE = 1e-6  # relative delta below which an adapter is accepted with a warning
 
 
@@ -33,14 +35,20 @@ def coverage_report(
 
     Raises AdapterValidationError when the adapter changes nothing (see the module docstring)."""
     order = {m: i for i, m in enumerate(LORA_MODULES)}
+    items: list[tuple[tuple[int, str], LoraPair]] = sorted(
+        adapter.weights.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])
+    )
+    if adapter.embedding is not None:
+        items.insert(0, ((EMBEDDING_LAYER, "embed_tokens"), adapter.embedding))
     modules = []
-    for (layer, module), pair in sorted(adapter.weights.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+    for (layer, module), pair in items:
         fro = delta_fro(pair.a, pair.b, pair.scale)
         norm = None if weight_norms is None else weight_norms.get((layer, module))
         relative = None if not norm else fro / norm
         kind = "dora" if pair.magnitude is not None or pair.out_scale is not None else "lora"
+        kind = "embedding" if layer == EMBEDDING_LAYER else kind
         modules.append(ModuleCoverage(layer, module, kind, int(pair.a.shape[0]), pair.scale, fro, relative))
-    kinds = tuple(k for k in ("lora", "dora") if any(m.kind == k for m in modules))
+    kinds = tuple(k for k in ("lora", "dora", "embedding") if any(m.kind == k for m in modules))
     if all(m.delta_fro == 0.0 for m in modules) and "dora" not in kinds:
         raise AdapterValidationError(
             f"the adapter changes nothing: scale * lora_B @ lora_A is zero in all {len(modules)} targeted "

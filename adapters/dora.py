@@ -44,7 +44,10 @@ def with_dora_scales(adapter: LoraAdapter, base: BaseWeights | None) -> LoraAdap
         bias = base.bias(layer, module)
         out_shift = None if bias is None else (1.0 - out_scale) * bias.detach().to("cpu", torch.float32)
         weights[(layer, module)] = LoraPair(pair.a, pair.b, pair.scale, None, out_scale, out_shift)
-    return LoraAdapter(rank_by_module=adapter.rank_by_module, max_rank=adapter.max_rank, weights=weights)
+    return LoraAdapter(
+        rank_by_module=adapter.rank_by_module, max_rank=adapter.max_rank, weights=weights,
+        embedding=adapter.embedding,
+    )  # fmt: skip
 
 
 @torch.no_grad()

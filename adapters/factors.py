@@ -11,10 +11,15 @@ import re
 
 import torch
 
+from adapters.peft_targets import EMBEDDING_KEY
 from adapters.types import AdapterFormatError, AdapterValidationError, BaseModelShapes
 
 _PREFIX = "base_model.model."
 _LORA_TENSOR = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight")
+# PEFT's Embedding LoRA: lora_embedding_A [r, vocab], lora_embedding_B [hidden, r] (saved without ".weight").
+_EMBED_TENSOR = re.compile(r"(?P<module>.+)\.lora_embedding_(?P<which>[AB])(?:\.default)?(?:\.weight)?")
+# PEFT's default `save_embedding_layers="auto"` also saves the targeted embedding's full base weight.
+_EMBED_COPY_TENSOR = re.compile(r"(?P<module>.+)\.base_layer(?:\.default)?\.weight")
 _VELORA_TENSOR = re.compile(r"(?P<module>.+)\.lora_velora_embed(?:\.default)?")
 # DoRA's learned magnitude [out_features] (PEFT saves it without ".weight"; older files had ".default").
 _MAGNITUDE_TENSOR = re.compile(r"(?P<module>.+)\.lora_magnitude_vector(?:\.default)?(?:\.weight)?")
@@ -42,6 +47,10 @@ def split_tensors(
     for name, tensor in tensors.items():
         key = name.removeprefix(_PREFIX)
         found = _LORA_TENSOR.fullmatch(key) if name.startswith(_PREFIX) else None
+        if found is None and name.startswith(_PREFIX):
+            found = _EMBED_TENSOR.fullmatch(key)
+        if found is None and name.startswith(_PREFIX) and key == f"{EMBEDDING_KEY}.base_layer.weight":
+            found = _EMBED_COPY_TENSOR.fullmatch(key)
         if found is None and dora and name.startswith(_PREFIX):
             found = _MAGNITUDE_TENSOR.fullmatch(key)
         if found is None:
@@ -49,7 +58,8 @@ def split_tensors(
                 continue  # VeLoRA's buffer only feeds its training-time backward pass
             what = next((why for frag, why in _KNOWN_REFUSED.items() if frag in name), "an unknown tensor")
             raise AdapterFormatError(
-                f"tensor {name!r} is {what}; expected only {_PREFIX}<module>.lora_A.weight / .lora_B.weight"
+                f"tensor {name!r} is {what}; expected only {_PREFIX}<module>.lora_A.weight / .lora_B.weight "
+                "(and .lora_embedding_A / _B on embed_tokens)"
             )
         module = found.group("module")
         if module not in targets:
@@ -63,14 +73,14 @@ def split_tensors(
                 f"tensor {name!r} is for module {module!r}, which adapter_config.json does not target"
             )
         pair = by_module.setdefault(module, {})
-        which = found.groupdict().get("which") or "M"
+        which = found.groupdict().get("which") or ("W" if "base_layer" in key else "M")
         if which in pair:
             raise AdapterFormatError(f"tensor {name!r} duplicates {_FACTOR_NAMES[which]} of {module!r}")
         pair[which] = tensor
     return by_module
 
 
-_FACTOR_NAMES = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
+_FACTOR_NAMES = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector", "W": "base_layer.weight"}
 
 
 def checked_magnitude(
@@ -119,6 +129,86 @@ def checked_factors(
             raise AdapterValidationError(f"tensor {name} has non-finite values (checked as {dtype})")
         factors.append(flush_subnormals(factor))
     return factors[0], factors[1]
+
+
+def checked_embedding(
+    key: str, pair: dict[str, torch.Tensor], r: int, base: BaseModelShapes, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [r, vocab], B [hidden, r]) of an embedding LoRA as `dtype`: present, shaped for the base
+    vocabulary (an adapter that adds tokens is refused by name) and finite."""
+    names = {w: f"{_PREFIX}{key}.lora_embedding_{w}" for w in "AB"}
+    if "A" not in pair or "B" not in pair:
+        missing = [names[w] for w in "AB" if w not in pair]
+        raise AdapterFormatError(f"adapter_config.json targets {key!r} but tensors {missing} are missing")
+    a, b = pair["A"], pair["B"]
+    if a.ndim == 2 and a.shape[0] == r and a.shape[1] != base.vocab_size:
+        raise AdapterFormatError(
+            f"tensor {names['A']} covers a vocabulary of {a.shape[1]} tokens, expected the base model's "
+            f"{base.vocab_size}: an adapter that adds or removes tokens needs its own tokenizer, which is "
+            "not supported"
+        )
+    expected = {"A": (r, base.vocab_size), "B": (base.hidden_size, r)}
+    factors = []
+    for which, tensor in (("A", a), ("B", b)):
+        if tuple(tensor.shape) != expected[which]:
+            raise AdapterFormatError(
+                f"tensor {names[which]} has shape {tuple(tensor.shape)}, expected {expected[which]} "
+                f"(r={r}, base vocab={base.vocab_size}, hidden={base.hidden_size})"
+            )
+        factor = tensor.to(dtype).contiguous()
+        if not bool(torch.isfinite(factor).all()):
+            raise AdapterValidationError(f"tensor {names[which]} has non-finite values (checked as {dtype})")
+        factors.append(flush_subnormals(factor))
+    return factors[0], factors[1]
+
+
+def checked_embedding_copy(
+    key: str, pair: dict[str, torch.Tensor], base: BaseModelShapes
+) -> torch.Tensor | None:
+    """The saved copy of the base embedding (PEFT's `save_embedding_layers`), shape-checked; whether it
+    equals the served embedding is checked at load against the base weights (`check_embedding_copy`)."""
+    copy = pair.get("W")
+    if copy is None:
+        return None
+    name = f"{_PREFIX}{key}.base_layer.weight"
+    expected = (base.vocab_size, base.hidden_size)
+    if tuple(copy.shape) != expected:
+        raise AdapterFormatError(
+            f"tensor {name} has shape {tuple(copy.shape)}, expected {expected} (the base model's vocab x "
+            "hidden): a resized embedding needs its own tokenizer, which is not supported"
+        )
+    return copy
+
+
+def check_embedding_copy(key: str, copy: torch.Tensor, served: torch.Tensor) -> None:
+    """Refuse a saved embedding that differs from the served one (PEFT loads it over the base model, so
+    it would replace the embedding: a trained embedding, not a LoRA); compared in the served dtype."""
+    served = served.detach().to("cpu")
+    differs = copy.to(served.dtype) != served
+    if bool(differs.any()):
+        rows = torch.nonzero(differs.any(dim=1)).flatten()
+        raise AdapterFormatError(
+            f"tensor {_PREFIX}{key}.base_layer.weight differs from the served model's embedding in "
+            f"{rows.numel()} rows (first {rows[:4].tolist()}): a trained or replaced embedding is not "
+            "supported; expected the base weights, or save the adapter with save_embedding_layers=False"
+        )
+
+
+def check_embedding_bound(
+    key: str, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype
+) -> None:
+    """Refuse an embedding LoRA whose per-token delta `scale * B A[:, t]` can overflow `dtype`:
+    |scale| * ||B||_inf * max|A| (times the largest embedding multiplier, sqrt(hidden) on Gemma, which
+    the engine applies after) must stay <= finfo.max / sqrt(hidden)."""
+    if not math.isfinite(scale):
+        raise AdapterValidationError(f"{key}: scale {scale} (from lora_alpha / r) is not a finite number")
+    limit = torch.finfo(dtype).max / math.sqrt(b.shape[0])
+    delta = abs(scale) * float(b.double().abs().sum(dim=1).max()) * float(a.double().abs().max())
+    if not delta <= limit:
+        raise AdapterValidationError(
+            f"{key}: the embedding LoRA delta can overflow {dtype}: |scale| * ||B||_inf * max|A| = "
+            f"{delta:.3g}; expected <= {limit:.3g} (finfo.max / sqrt(hidden))"
+        )
 
 
 def flush_subnormals(factor: torch.Tensor) -> torch.Tensor:

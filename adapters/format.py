@@ -10,8 +10,9 @@ neither do we. LoRA: Hu et al. 2021, arXiv:2106.09685. Safetensors: huggingface/
 
 Pickle (`adapter_model.bin`) is never loaded. DoRA (`use_dora`, Liu et al. 2024, arXiv:2402.09353)
 adds `...lora_magnitude_vector` [out_features] per module (checked here; the served scale needs the base
-weights and is computed at load, adapters/dora.py). Anything else PEFT would apply differently from
-`W x + scale * B A x` on the seven projections is refused with an `AdapterFormatError` naming the
+weights and is computed at load, adapters/dora.py). Embedding LoRA on `embed_tokens`:
+`...lora_embedding_A` [r, vocab] and `...lora_embedding_B` [hidden, r] (`LoraAdapter.embedding`).
+Anything else PEFT would apply differently from `W x + scale * B A x` on the seven projections is refused with an `AdapterFormatError` naming the
 field or tensor (see adapters/README.md).
 
 The steps live next to this module: files.py reads the two files, safetensors_header.py checks the
@@ -29,11 +30,19 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from adapters.factors import check_delta_bound, checked_factors, checked_magnitude, split_tensors
+from adapters.factors import (
+    check_delta_bound,
+    check_embedding_bound,
+    checked_embedding,
+    checked_embedding_copy,
+    checked_factors,
+    checked_magnitude,
+    split_tensors,
+)
 from adapters.files import WEIGHTS_NAME, AdapterFiles, read_adapter_files
 from adapters.peft_fields import SUPPORTED_MODEL_TYPES, check_fields, check_type
 from adapters.peft_rank import parse_spec
-from adapters.peft_targets import resolve_targets
+from adapters.peft_targets import EMBEDDING_TARGET, resolve_targets
 from adapters.safetensors_header import check_header, mapped_tensors
 from adapters.types import (
     FUSED_PROJECTIONS,
@@ -62,8 +71,14 @@ class LoraAdapter:
     """A parsed adapter: factors keyed by (layer index, projection name in LORA_MODULES)."""
 
     rank_by_module: dict[str, int]  # projection -> rank, max over layers
-    max_rank: int
+    max_rank: int  # over the projections and the embedding
     weights: dict[tuple[int, str], LoraPair]
+    # Embedding LoRA (PEFT's lora_embedding_A [r, vocab] as `a`, lora_embedding_B [hidden, r] as `b`):
+    # the looked-up row of token t gains scale * b @ a[:, t].
+    embedding: LoraPair | None = None
+    # The base embedding PEFT saved beside it (save_embedding_layers), until the cache has checked it
+    # equals the served one at load (adapters/embedding.py), which drops it.
+    embedding_copy: torch.Tensor | None = None
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -105,11 +120,16 @@ def parse_adapter(
         raise AdapterFormatError(f"{WEIGHTS_NAME} could not be parsed: {exc}") from exc
     by_module = split_tensors(tensors, targets, base, spec.has_velora, dora=use_dora)
     weights: dict[tuple[int, str], LoraPair] = {}
+    embedding = embedding_copy = None
     for key, (layer, module) in targets.items():
         r, scale = spec.rank_and_scale(key)
         if max_lora_rank is not None and r > max_lora_rank:
             raise AdapterValidationError(f"{key} has rank {r}, above max_lora_rank={max_lora_rank}")
         factors = by_module.get(key, {})
+        if (layer, module) == EMBEDDING_TARGET:
+            embedding = _embedding_pair(key, factors, r, scale, base, dtype, use_dora)
+            embedding_copy = checked_embedding_copy(key, factors, base)
+            continue
         a, b = checked_factors(key, module, factors, r, base, dtype)
         check_delta_bound(key, a, b, scale, dtype)
         magnitude = checked_magnitude(key, module, factors, base) if use_dora else None
@@ -119,7 +139,26 @@ def parse_adapter(
     for (_, module), pair in weights.items():
         ranks[module] = max(ranks.get(module, 0), pair.a.shape[0])
     rank_by_module = {m: ranks[m] for m in LORA_MODULES if m in ranks}
-    return LoraAdapter(rank_by_module=rank_by_module, max_rank=max(ranks.values()), weights=weights)
+    max_rank = max([*ranks.values(), 0 if embedding is None else embedding.a.shape[0]])
+    return LoraAdapter(
+        rank_by_module=rank_by_module, max_rank=max_rank, weights=weights, embedding=embedding,
+        embedding_copy=embedding_copy,
+    )  # fmt: skip
+
+
+def _embedding_pair(
+    key: str, factors: dict[str, torch.Tensor], r: int, scale: float, base: BaseModelShapes,
+    dtype: torch.dtype, use_dora: bool,
+) -> LoraPair:  # fmt: skip
+    """The checked embedding LoRA; DoRA on an embedding (PEFT's DoraEmbeddingVariant) is refused."""
+    if use_dora:
+        raise AdapterFormatError(
+            f"use_dora with {key!r} targeted: DoRA on an embedding is not supported; expected use_dora "
+            "only with projections targeted"
+        )
+    a, b = checked_embedding(key, factors, r, base, dtype)
+    check_embedding_bound(key, a, b, scale, dtype)
+    return LoraPair(a=a, b=b, scale=scale)
 
 
 def _split_fused(

@@ -2,7 +2,8 @@
 `peft.tuners.tuners_utils.check_target_module_exists`: a `target_modules` string is a regex full match, a
 list matches exact names or `.`-suffixes, `exclude_modules` first, then `layers_to_transform` /
 `layers_pattern`. Tenant regexes are matched by RE2 (adapters/safe_regex.py); anything outside the
-model's projections (the seven, or Phi-3's fused qkv_proj, o_proj, gate_up_proj, down_proj) is refused."""
+model's projections (the seven, or Phi-3's fused qkv_proj, o_proj, gate_up_proj, down_proj) and the input
+embedding (`model.embed_tokens`, resolved to `EMBEDDING_TARGET`) is refused."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "v_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
 _PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _PARENT |= {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+# The input embedding: LoRA on it is PEFT's `Embedding` layer (lora_embedding_A / _B), not a projection.
+EMBEDDING_KEY = "model.embed_tokens"
+EMBEDDING_TARGET: tuple[int, str] = (-1, "embed_tokens")
 # Model types whose attention holds q_norm / k_norm modules (a pattern that selects them is refused).
 QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "gemma3_text")
 # Gemma 2 / 3 layers norm before and after both attention and the MLP.
@@ -191,18 +195,22 @@ def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
 
 
 def resolve_targets(cfg: dict[str, Any], base: BaseModelShapes) -> dict[str, tuple[int, str]]:
-    """Module key -> (layer, projection) for every module PEFT would wrap with LoRA on this base model."""
+    """Module key -> (layer, projection) for every module PEFT would wrap with LoRA on this base model;
+    the input embedding maps to `EMBEDDING_TARGET`."""
     targets = _parse_targets(cfg, base)
     resolved: dict[str, tuple[int, str]] = {}
     for key in module_keys(base):
         if not targets.matches(key):
             continue
+        if key == EMBEDDING_KEY:
+            resolved[key] = EMBEDDING_TARGET
+            continue
         found = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)", key)
         if found is None or found.group(2) not in base.projections:
             raise AdapterFormatError(
                 f"target_modules={cfg.get('target_modules')!r} selects {key!r}, which is not one of the "
-                f"projections {base.projections}; LoRA on embeddings, lm_head or other modules is not "
-                "supported"
+                f"projections {base.projections} or {EMBEDDING_KEY!r}; LoRA on lm_head or other modules is "
+                "not supported"
             )
         resolved[key] = (int(found.group(1)), found.group(2))
     if not resolved:

@@ -12,6 +12,11 @@ DoRA: each packed projection also holds `out_scale: [N, sum(H_out_s)]` float32 (
 adapter is plain LoRA or does not cover the module) and, when the base projection has a bias,
 `out_shift` (0 there); `dora_slots` says on the host which slots need them, so a step without DoRA
 rows never passes them to the kernels.
+
+Embedding LoRA: `embedding[slot]` holds the slot's factors on the device as the gather reads them,
+A^T [vocab, r] and B^T [r, hidden], written with the adapter and dropped when the slot is rewritten by
+one without (not preallocated: most adapters have none, and a vocab-sized stack per slot would cost
+every slot). Their bytes are the adapter's, counted by the cache (adapters/cache.py `adapter_bytes`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,13 @@ class ProjectionSlots:
     out_scale: torch.Tensor  # [N, sum(H_out_s)] float32, DoRA's m / ||W + s B A|| (1: not DoRA)
     out_shift: torch.Tensor | None  # [N, sum(H_out_s)] float32 (1 - out_scale) * bias; None: no bias
     dora_slots: set[int]  # host: slots whose adapter rescales this projection
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingSlot:
+    a_t: torch.Tensor  # [vocab, r]: row t is lora_embedding_A[:, t]
+    b_t: torch.Tensor  # [r, hidden]: lora_embedding_B transposed
+    scale: float
 
 
 class SlotPool:
@@ -80,6 +92,7 @@ class SlotPool:
                     dora_slots=set(),
                 )
             self.layers.append(per_proj)
+        self.embedding: dict[int, EmbeddingSlot] = {}  # slot -> its adapter's embedding LoRA, if any
         # Device memory the slot tensors hold (all slots, used or not); fixed for the pool's life.
         self.num_bytes = self.bytes_per_slot(base, max_rank, dtype) * num_slots
 
@@ -96,6 +109,14 @@ class SlotPool:
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter's factors into slot `slot` (host -> device; non_blocking from pinned memory)."""
+        self.embedding.pop(slot, None)
+        if adapter.embedding is not None:
+            e = adapter.embedding
+            self.embedding[slot] = EmbeddingSlot(
+                e.a.to(self.device, non_blocking=True).T.contiguous(),
+                e.b.to(self.device, non_blocking=True).T.contiguous(),
+                e.scale,
+            )
         for layer, per_proj in enumerate(self.layers):
             for packed, modules in PACKED_PROJECTIONS.items():
                 proj = per_proj[packed]

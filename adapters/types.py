@@ -75,6 +75,10 @@ class BaseWeights(Protocol):
         """[out_features], or None when the projection has no bias."""
         ...
 
+    def embedding(self) -> torch.Tensor:
+        """[vocab, hidden] of the input embedding."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class AdapterRef:
@@ -103,9 +107,9 @@ class AdapterValidationError(AdapterFormatError):
 
 @dataclass(frozen=True, slots=True)
 class ModuleCoverage:
-    layer: int
-    module: str  # one of LORA_MODULES
-    kind: str  # "lora" | "dora"
+    layer: int  # -1 for the input embedding
+    module: str  # one of LORA_MODULES, or "embed_tokens"
+    kind: str  # "lora" | "dora" | "embedding"
     rank: int
     scale: float
     delta_fro: float  # ||scale * B A||_F
@@ -115,14 +119,14 @@ class ModuleCoverage:
 @dataclass(frozen=True, slots=True)
 class CoverageReport:
     modules: tuple[ModuleCoverage, ...]  # by layer, then LORA_MODULES order
-    kinds: tuple[str, ...]  # kinds present, e.g. ("lora",) or ("lora", "dora")
+    kinds: tuple[str, ...]  # kinds present, e.g. ("lora",) or ("lora", "dora", "embedding")
     warning: str | None  # set when every relative delta is below NEGLIGIBLE
 
     def as_json(self) -> dict[str, Any]:
         """The stored and served form: modules grouped per layer."""
         layers: dict[str, dict[str, Any]] = {}
         for m in self.modules:
-            layers.setdefault(str(m.layer), {})[m.module] = {
+            layers.setdefault("embed_tokens" if m.layer < 0 else str(m.layer), {})[m.module] = {
                 "kind": m.kind, "rank": m.rank, "scale": m.scale, "delta_fro": m.delta_fro,
                 "relative_delta": m.relative_delta,
             }  # fmt: skip

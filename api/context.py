@@ -65,6 +65,7 @@ class RequestContext:
     n: int = 1  # choices per prompt
     num_prompt_tokens: int = 0  # over all prompts, each counted once
     max_new_tokens: int = 0  # sum of max_tokens over all choices (quota estimates)
+    priority: int = 0  # its priority class (lower = more urgent; api/tenancy/priority.py)
     created: int = field(default_factory=lambda: int(time.time()))
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     engine_request_ids: list[str] = field(default_factory=list)  # index = choice index

@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     device: str = "cpu"
     # auto: bfloat16 on a CPU with AMX-BF16 / AVX512-BF16, else float32; the checkpoint's dtype on CUDA.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # int8: per-channel int8 base weights computed at load (CPU); others refused by name (EngineConfig).
+    quantization: str | None = None
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -64,6 +66,8 @@ class Settings(BaseSettings):
     max_queue_len: int = Field(256, ge=0)  # engine requests waiting beyond max_num_seqs; more -> 503
     request_timeout_s: float = Field(600.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM grace period before in-flight requests abort
+    # Priority classes: a waiting request gains one level per this many seconds (0 = no aging).
+    priority_aging_s: float = Field(30.0, ge=0)
     # Any other request body (JSON): larger is 413 before it is read (api/http/body_limit.py).
     max_request_body_bytes: int = Field(8 << 20, ge=1024)
     request_body_timeout_s: float = Field(60.0, gt=0)  # the whole body must arrive within it, else 408
@@ -200,6 +204,8 @@ class Settings(BaseSettings):
             max_cpu_loras=self.max_cpu_loras,
             max_lora_rank=self.max_lora_rank,
             deterministic=self.deterministic,  # the engine refuses to start where it cannot keep it
+            quantization=self.quantization,
+            priority_aging_s=self.priority_aging_s,
         )
 
 

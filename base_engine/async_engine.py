@@ -58,6 +58,7 @@ class EngineRequest:
     adapter: AdapterRef | None = None
     tenant_id: str | None = None
     cache_salt: bytes = b""
+    priority: int = 0  # lower = more urgent (base_engine/priority.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +274,7 @@ class AsyncEngine:
                 request.params,
                 adapter=request.adapter,
                 tenant_id=request.tenant_id,
+                priority=request.priority,
                 cache_salt=request.cache_salt,
                 arrival=arrival,
             )

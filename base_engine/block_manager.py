@@ -169,3 +169,17 @@ class BlockManager:
                     self.free[block_id] = None
         seq.block_table.clear()
         seq.block_hashes.clear()
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past seq's computed tokens (rejected speculative drafts' K/V): never
+        hashed, held only by seq, so they go back first to the free list, unpublished."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            if block.ref_count != 1 or block.block_hash is not None:
+                raise RuntimeError(
+                    f"KV block {block.block_id} past request {seq.request_id}'s tokens is shared"
+                )
+            block.ref_count = 0
+            self.free[block.block_id] = None
+            self.free.move_to_end(block.block_id, last=False)

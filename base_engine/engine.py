@@ -23,20 +23,25 @@ from base_engine.logit_rules import check_rule_token_ids
 from base_engine.lora import LoraStepBatch, ModelWeights, make_lora_manager
 from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
+from base_engine.model.int8 import quantize_int8
 from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
 from base_engine.outputs import ITERATION_TOKEN_BUCKETS, NON_FINITE, EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
+from base_engine.priority import PriorityPolicy
 from base_engine.runner.cuda_graphs import DecodeGraphs
 from base_engine.runner.device import check_device, resolve_dtype
 from base_engine.runner.host import set_intra_op_threads
 from base_engine.runner.kv_sizing import plan_memory
 from base_engine.runner.model_runner import ModelRunner, allocate_kv_caches
 from base_engine.runner.step import StepBatch, StepResult
-from base_engine.sampler import Sampler, SamplingRow
+from base_engine.sampler import Sampler
 from base_engine.sampling_params import SamplingParams
 from base_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from base_engine.sequence import Sequence, SequenceStatus
+from base_engine.speculative.rows import group_rows, sampling_rows
+from base_engine.speculative.speculator import Speculator, parse_speculative
+from base_engine.speculative.verify import accepted_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,8 @@ class LLMEngine:
         model = load_model(self.model_dir, self.model_config, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu" and self.dtype != torch.float32:
             model.keep_float32_logits()
+        if self.config.quantization == "int8":
+            logger.info("quantization int8: %d linear layers", quantize_int8(model))
         num_blocks = plan_memory(
             self.model_config,
             self.config,
@@ -101,6 +108,7 @@ class LLMEngine:
             enable_chunked_prefill=self.config.enable_chunked_prefill,
             policy=self.lora.policy,
             long_factor_after=self.model_config.rope.long_factor_after,
+            priority=PriorityPolicy(aging_s=self.config.priority_aging_s),
         )
         self.runner = ModelRunner(
             model,
@@ -112,6 +120,12 @@ class LLMEngine:
             attention=self.config.attention,
         )
         self.sampler = Sampler(seed=self.config.seed, eos_token_ids=self.eos_token_ids)
+        method = parse_speculative(self.config.speculative)
+        self.speculator = (
+            None
+            if method is None
+            else Speculator(method, self.config.num_speculative_tokens, self.max_model_len)
+        )
         self.determinism = Determinism(
             model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
         )
@@ -204,6 +218,7 @@ class LLMEngine:
         tenant_id: str | None = None,
         cache_salt: bytes = b"",
         arrival: float | None = None,
+        priority: int = 0,
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -211,11 +226,12 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, adapter, tenant_id, cache_salt)
         if arrival is not None:
             seq.times.arrival = arrival
+        seq.priority = priority
         seq.deterministic = self.determinism.always or params.deterministic
         if seq.deterministic:
-            seq.generator = self.determinism.generator(params.seed)
+            seq.seed = self.determinism.seed(params.seed)
         elif params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+            seq.seed = params.seed
         self.requests[request_id] = seq
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, params, seq.prompt_token_ids)
         self.lora.on_add(seq)
@@ -246,6 +262,8 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         self.step_outputs = outputs  # the same list: what this step appends is seen if it raises
         outputs.extend(self._fail_unloadable())
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self.step_request_ids = [item.seq.request_id for item in sched.scheduled]
         for seq in sched.overflowed:
@@ -268,13 +286,17 @@ class LLMEngine:
             if not ok:
                 outputs.append(self._fail_non_finite(item.seq))
         for item in sched.scheduled:
-            if item.seq.is_finished:
-                continue  # failed above: its blocks are freed and never published
+            if item.seq.is_finished or item.drafts:
+                continue  # failed above (freed, never published), or verified below
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_full_blocks(item.seq)
-        for item, token_id, logprobs in sampled:
-            if not item.seq.is_finished:
-                outputs.append(self._append_token(item.seq, token_id, logprobs))
+        for item, token_ids, logprobs in sampled:
+            if item.seq.is_finished:
+                continue
+            if item.drafts:
+                outputs.extend(self._append_verified(item, token_ids, logprobs))
+            else:
+                outputs.append(self._append_token(item.seq, token_ids[0], logprobs[0]))
         return outputs
 
     def _prepare(self, sched: SchedulerOutput, *, invariant: bool) -> StepBatch:
@@ -303,15 +325,32 @@ class LLMEngine:
 
     def _sample(
         self, batch: StepBatch, result: StepResult
-    ) -> list[tuple[ScheduledSeq, int, dict[int, float] | None]]:
+    ) -> list[tuple[ScheduledSeq, list[int], list[dict[int, float] | None]]]:
+        """Per sampled request: its tokens and logprobs, one per sampled row (drafts: k + 1 rows)."""
         if not batch.sampled:
             return []
-        rows = [
-            SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.generator)
-            for s in batch.sampled
-        ]
+        rows = sampling_rows(batch.sampled)
         sampled = self.sampler(result.logits, rows)
-        return list(zip(batch.sampled, sampled.token_ids, sampled.logprobs, strict=True))
+        return group_rows(batch.sampled, sampled.token_ids, sampled.logprobs)
+
+    def _append_verified(
+        self, item: ScheduledSeq, token_ids: list[int], logprobs: list[dict[int, float] | None]
+    ) -> list[RequestOutput]:
+        """A speculated request: its accepted drafts and next token are appended as a decode would
+        append them one by one; the rejected drafts' K/V are rolled back (never published)."""
+        seq, outputs = item.seq, []
+        emitted = accepted_tokens(item.drafts, token_ids)
+        seq.draft_token_ids = []
+        assert self.speculator is not None
+        self.speculator.record(seq, len(item.drafts), len(emitted) - 1)
+        for j, token_id in enumerate(emitted):
+            outputs.append(self._append_token(seq, token_id, logprobs[j]))
+            if seq.is_finished:
+                return outputs
+        seq.num_computed_tokens = item.start + len(emitted)  # its last token and the accepted drafts
+        self.block_manager.trim(seq)
+        self.block_manager.commit_full_blocks(seq)
+        return outputs
 
     def _fail_non_finite(self, seq: Sequence) -> RequestOutput:
         """Its values left the serving dtype's range (e.g. an adapter that overflows): the request ends

@@ -11,6 +11,23 @@ DEFAULT_GPU_KV_FRACTION = 0.9
 DEFAULT_CPU_KV_FRACTION = 0.3
 
 
+QUANTIZATIONS = ("int8",)
+# Formats of published quantized checkpoints we do not run: refused by name, pointing at what we serve.
+REFUSED_FORMATS = ("gptq", "awq", "bitsandbytes", "bnb", "fp8", "marlin", "exl2", "hqq", "compressed-tensors")
+
+
+def quantization_refusal(name: str | None) -> str | None:
+    """Why `--quantization name` cannot be served, or None (None and "int8" are served)."""
+    if name is None or name in QUANTIZATIONS:
+        return None
+    lowered = str(name).lower()
+    what = f"{name!r} checkpoints are not served" if lowered in REFUSED_FORMATS else f"unknown {name!r}"
+    return (
+        f"quantization {what}; expected one of {list(QUANTIZATIONS)} (per-channel int8 weights computed "
+        "at load from a float32/bfloat16 checkpoint) or none; serve the unquantized checkpoint instead"
+    )
+
+
 @dataclass(slots=True)
 class EngineConfig:
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
@@ -40,6 +57,13 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     # Every request batch-invariant (base_engine/invariant.py), as `SamplingParams.deterministic` asks.
     deterministic: bool = False
+    # None: weights in the serving dtype; "int8": per-channel int8 base weights (base_engine/model/int8.py).
+    quantization: str | None = None
+    # A waiting request gains one priority level per this many seconds (base_engine/priority.py); 0 = off.
+    priority_aging_s: float = 30.0
+    # Speculative decoding (base_engine/speculative/): "ngram" or None (off); drafts per step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank")
@@ -62,6 +86,8 @@ class EngineConfig:
             )
         if not 0.0 < self.lora_memory_fraction < 1.0:
             raise ValueError(f"lora_memory_fraction must be in (0, 1), got {self.lora_memory_fraction}")
+        if (refusal := quantization_refusal(self.quantization)) is not None:
+            raise ValueError(refusal)
         if self.attention not in ("auto", "paged", "buckets"):
             raise ValueError(f"attention={self.attention!r}, expected 'auto', 'paged' or 'buckets'")
         if self.max_cpu_loras < self.max_loras:

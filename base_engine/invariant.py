@@ -18,7 +18,7 @@ kernels whose reduction order depends only on the row itself:
     bfloat16 on float32 copies of the operands), never the per-adapter GEMM loop picked from the
     batch's composition.
   * norms, activations, sampling: row-wise already (per-row reductions; each deterministic request
-    draws from its own generator).
+    draws from its own seed: base_engine/seeded_uniform.py).
 Only the CPU path is batch-invariant today: cuBLAS and the Triton kernels' split-K are not, so the
 mode is refused elsewhere with that reason.
 """
@@ -137,6 +137,11 @@ class Determinism:
     ) -> None:
         self.always = always
         self._reason = unsupported_reason(device, dtype)
+        if self._reason is None and any(hasattr(m, "qweight") for m in model.modules()):
+            self._reason = (
+                "deterministic mode is not available with quantization int8 (its weight-only int8 GEMM "
+                "is not probed batch-invariant); serve without --quantization for deterministic requests"
+            )
         self._shapes = linear_shapes(model, column_chunk=column_chunk)
         # A bf16 CPU engine computes its logits in float32 (CausalLM.keep_float32_logits): both probed.
         self._probes = [GemmProbe(dtype)] + ([GemmProbe(torch.float32)] if dtype != torch.float32 else [])
@@ -149,7 +154,7 @@ class Determinism:
             return self._reason
         return next((failure for probe in self._probes if (failure := probe.check(self._shapes))), None)
 
-    def generator(self, seed: int | None) -> torch.Generator:
-        """A deterministic request's own generator: its seed, else one drawn for it (never the engine's
+    def seed(self, seed: int | None) -> int:
+        """A deterministic request's own seed: its own, else one drawn for it (never the engine's
         shared generator, whose draws would depend on the other requests of each step)."""
-        return torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
+        return seed if seed is not None else secrets.randbits(63)

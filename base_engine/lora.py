@@ -75,14 +75,21 @@ class ModelWeights:
         linear, rows = self._rows(layer, module)
         return None if linear.bias is None else linear.bias.detach()[rows]
 
+    def embedding(self) -> torch.Tensor:
+        return self.model.model.embed_tokens.weight.detach()
+
     @torch.no_grad()
     def frobenius_norms(self) -> dict[tuple[int, str], float]:
-        """||W||_F in float64 per (layer, checkpoint projection): fixed for the engine's life."""
-        return {
+        """||W||_F in float64 per (layer, checkpoint projection), and of the input embedding as
+        (-1, "embed_tokens"): fixed for the engine's life."""
+        norms = {
             (layer, module): float(torch.linalg.norm(self.weight(layer, module).double()))
             for layer in range(len(self.model.model.layers))
             for module in LORA_MODULES
         }
+        embedding = self.model.model.embed_tokens.weight.detach()
+        norms[(-1, "embed_tokens")] = float(torch.linalg.norm(embedding.double()))
+        return norms
 
 
 class LoraStepBatch:
@@ -102,6 +109,23 @@ class LoraStepBatch:
         # the step's slots, for DoRA's vectors (a captured CUDA graph rewrites the meta each replay)
         self._meta = meta
         self.step_slots = {a for a, n in zip(meta.seg_slots_host, meta.seg_lens_host, strict=True) if n}
+
+    def add_embedding(self, input_ids: torch.Tensor, x: torch.Tensor, multiplier: float | None) -> None:
+        """x[rows of a slot with an embedding LoRA] += scale * A^T[ids] @ B^T (times `multiplier`, the
+        model's embedding scale, as PEFT's `Embedding` applies the base layer's `embed_scale`)."""
+        embedding = self.pool.embedding
+        if not embedding or self.step_slots.isdisjoint(embedding):
+            return
+        meta = self.meta
+        for slot, start, n in zip(meta.seg_slots_host, meta.seg_starts_host, meta.seg_lens_host, strict=True):
+            e = embedding.get(slot) if n else None
+            if e is None:
+                continue
+            rows = meta.sorted_rows[start : start + n].long()
+            delta = (e.a_t[input_ids[rows]] @ e.b_t) * e.scale  # PEFT: (after_A @ B^T) * scaling
+            if multiplier is not None:
+                delta = delta * multiplier
+            x.index_add_(0, rows, delta.to(x.dtype))
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         slots = self.pool.layers[layer][projection]
@@ -229,6 +253,9 @@ class LoraManager:
             evictions=s.num_evictions,
             cpu_evictions=s.num_cpu_evictions,
             per_adapter=_requests_per_adapter(running, waiting),
+            ranks=self.cache.ranks(),
+            recent_load_seconds=tuple(s.recent_load_s),
+            recent_activate_seconds=tuple(s.recent_activate_s),
         )
 
 

@@ -76,6 +76,9 @@ class AdapterCacheStats:
     evictions: int = 0  # adapters dropped from a device slot
     cpu_evictions: int = 0  # adapters dropped from the host tier
     per_adapter: dict[str, AdapterRequests] = field(default_factory=dict)  # ref.id -> its requests
+    ranks: dict[str, int] = field(default_factory=dict)  # ref.id -> rank, host-tier adapters
+    recent_load_seconds: tuple[float, ...] = ()  # the latest loads' durations, oldest first (<= 256)
+    recent_activate_seconds: tuple[float, ...] = ()  # the latest host -> slot copies' durations
 
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's

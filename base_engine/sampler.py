@@ -10,9 +10,11 @@ base_engine/constraints.py) have the tokens it forbids masked to -inf after the 
 matcher advances by the drawn token.
 
 The draw is inverse-transform sampling: one uniform number per row, looked up in the row's
-cumulative distribution. A seeded request takes its number from its own generator, so its tokens
-do not depend on which other requests share the batch or on its row; that one number per row is also
-far cheaper on CPU than one exponential per vocabulary entry.
+cumulative distribution. A seeded request's number is a pure function of its seed and the absolute
+position of the token drawn (base_engine/seeded_uniform.py), so its tokens depend neither on which
+other requests share the batch, nor on its row, nor on how many positions a step scores at once
+(speculative verification); that one number per row is also far cheaper on CPU than one exponential
+per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import Tensor
 from base_engine.constraints import advance_constraints, apply_constraints
 from base_engine.logit_rules import apply_logit_rules
 from base_engine.sampling_params import SamplingParams
+from base_engine.seeded_uniform import position_uniform
 
 
 @dataclass(slots=True)
@@ -37,7 +40,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far (before this step)
-    generator: torch.Generator | None  # per-request, seeded when params.seed is set; else None
+    seed: int | None  # the request's seed (params.seed, or one drawn for it); None: the sampler's stream
 
 
 @dataclass(slots=True)
@@ -46,15 +49,10 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # chosen token + top-N alternatives, None when not asked
 
 
-def make_generator(seed: int | None) -> torch.Generator | None:
-    """The per-request generator for ``SamplingRow.generator`` (CPU: only one number per step is drawn)."""
-    return None if seed is None else torch.Generator().manual_seed(seed)
-
-
 class Sampler:
     def __init__(self, seed: int | None = None, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.eos_token_ids = eos_token_ids  # masked with the stop token ids until min_tokens
-        # Rows without their own generator draw from this one (on CPU; the draws are moved).
+        # Rows without a seed draw from this one (on CPU; the draws are moved).
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
@@ -122,15 +120,19 @@ class Sampler:
         return inverse_cdf_sample(probs, self._uniforms(rows))
 
     def _uniforms(self, rows: list[SamplingRow]) -> Tensor:
-        """One U[0, 1) per row: from the row's generator when it has one, else from the sampler's."""
-        seeded = [(i, r.generator) for i, r in enumerate(rows) if r.generator is not None]
-        num_unseeded = len(rows) - len(seeded)
-        u = torch.rand(
-            num_unseeded, dtype=torch.float64, generator=self._generator, device=self._generator.device
-        ).tolist()
-        for i, g in seeded:  # ascending i, so each insert lands at its row
-            # Shape () regardless of the batch: the request's stream advances by one per step.
-            u.insert(i, torch.rand((), dtype=torch.float64, generator=g, device=g.device).item())
+        """One U[0, 1) per row: f(seed, position of the token drawn) when seeded, else the sampler's."""
+        num_unseeded = sum(r.seed is None for r in rows)
+        shared = iter(
+            torch.rand(
+                num_unseeded, dtype=torch.float64, generator=self._generator, device=self._generator.device
+            ).tolist()
+        )
+        u = [
+            next(shared)
+            if r.seed is None
+            else position_uniform(r.seed, len(r.prompt_token_ids) + len(r.output_token_ids))
+            for r in rows
+        ]
         return torch.tensor(u, dtype=torch.float64, device="cpu")
 
 

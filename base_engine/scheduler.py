@@ -6,6 +6,8 @@ are served first (oldest first), then waiting ones are admitted in the order the
 gives. When blocks run out the newest running request of the tenant running the most is preempted and
 recomputed later. While tenants contend for the batch, each runs at most its fair share of it
 (base_engine/fair_share.py): one over its share yields its newest sequences at the step boundary.
+Priority classes (base_engine/priority.py) order all of this by level first: with one level in use
+nothing changes; with several, levels are served strictly and fairness holds within a level.
 
 LongRoPE (Phi-3, `long_factor_after` = original_max_position_embeddings = O): transformers' generate
 rotates with the short factors while a forward's max position + 1 <= O and with the long ones
@@ -25,7 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from base_engine.block_manager import BlockManager
-from base_engine.fair_share import Tenant, fair_shares, over_share
+from base_engine.fair_share import Tenant, over_share
+from base_engine.priority import Levels, PriorityPolicy
 from base_engine.sequence import Sequence, SequenceStatus
 
 
@@ -34,11 +37,12 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens of this request computed in this step
     start: int  # its num_computed_tokens before the step (position of the first new token)
+    drafts: list[int] = field(default_factory=list)  # speculative tokens scored after its last one
 
     @property
     def is_sampled(self) -> bool:
         """The step reaches the end of the request's tokens, so it yields a new token."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens == self.seq.num_tokens + len(self.drafts)
 
 
 @dataclass(slots=True)
@@ -95,6 +99,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: AdmissionPolicy | None = None,
         long_factor_after: int | None = None,
+        priority: PriorityPolicy | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -102,6 +107,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy or AdmissionPolicy()
         self.long_factor_after = long_factor_after  # LongRoPE's original context (module docstring)
+        self.priority = priority or PriorityPolicy()  # levels across, fairness within (priority.py)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -116,8 +122,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        levels = self.priority.levels([*self.running, *self.waiting])  # None: one priority in use
+        if levels is not None:
+            self.running.sort(key=levels.__getitem__)  # most urgent level first, oldest first within
         # 0. Tenants over their share of the batch while others wait yield their newest sequences.
-        shares = self._shares()
+        shares = self._shares(levels)
         if shares is not None:
             for seq in over_share(self.running, shares):
                 self._preempt(seq)
@@ -129,19 +138,20 @@ class Scheduler:
             seq = self.running[i]
             if not seq.is_long_rope and self._needs_long_rope(seq):
                 self._restart_long_rope(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            drafts = seq.draft_token_ids[: max(0, budget - seq.num_uncomputed_tokens)]
+            num_new = min(seq.num_uncomputed_tokens + len(drafts), budget)
             if self._exceeds_pool(seq, num_new):
                 out.overflowed.append(seq)
                 i += 1
                 continue
-            if not self._make_room(seq, num_new, i, out):
+            if not self._make_room(seq, num_new, i, out, levels):
                 continue  # seq itself was preempted: the one after it is now at i
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens, drafts))
             budget -= num_new
             i += 1
         # 2. Waiting requests, unless this step had to preempt (memory is tight: let running ones finish).
         if not out.preempted:
-            budget = self._admit_waiting(budget, out, shares)
+            budget = self._admit_waiting(budget, out, shares, levels)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         self.policy.on_scheduled(out)
         return out
@@ -150,23 +160,30 @@ class Scheduler:
         needed = -(-(seq.num_computed_tokens + num_new) // self.block_manager.block_size)
         return needed > self.block_manager.num_blocks
 
-    def _shares(self) -> dict[Tenant, int] | None:
+    def _shares(self, levels: Levels) -> dict[Tenant, int] | None:
         """Each tenant's share of the batch this step, or None when every tenant fits (a question)."""
         if len(self.running) + len(self.waiting) <= self.max_num_seqs:
             return None  # the common case, decided without a pass over the requests
-        running = Counter(seq.tenant_id for seq in self.running)
-        tenants = set(running) | {seq.tenant_id for seq in self.waiting}
+        tenants = {seq.tenant_id for seq in self.running} | {seq.tenant_id for seq in self.waiting}
         if len(tenants) < 2:
             return None
-        ready = Counter(s.tenant_id for s in self.waiting if self.policy.can_admit(s, self.running))
-        return fair_shares(running, ready, self.max_num_seqs)
+        ready = [s for s in self.waiting if self.policy.can_admit(s, self.running)]
+        return self.priority.shares(self.running, ready, self.max_num_seqs, levels)
 
-    def _make_room(self, seq: Sequence, num_new: int, start: int, out: SchedulerOutput) -> bool:
+    def _make_room(
+        self,
+        seq: Sequence,
+        num_new: int,
+        start: int,
+        out: SchedulerOutput,
+        levels: Levels,
+    ) -> bool:
         """Allocate blocks for seq (at `start` in running), preempting requests not yet scheduled in this
-        step if needed: the newest of the tenant that runs the most (a lone tenant: the newest)."""
+        step if needed: of the least urgent level, the newest of the tenant that runs the most there
+        (a lone tenant: the newest)."""
         while not self.block_manager.can_allocate(seq, num_new):
-            candidates = self.running[start:]
-            held = Counter(s.tenant_id for s in self.running)
+            candidates = self.priority.victims(self.running[start:], levels)
+            held = Counter(s.tenant_id for s in candidates)
             most = max(held[s.tenant_id] for s in candidates)
             victim = next(s for s in reversed(candidates) if held[s.tenant_id] == most)
             self._preempt(victim)
@@ -176,9 +193,15 @@ class Scheduler:
         self.block_manager.allocate(seq, num_new)
         return True
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput, shares: dict[Tenant, int] | None) -> int:
+    def _admit_waiting(
+        self,
+        budget: int,
+        out: SchedulerOutput,
+        shares: dict[Tenant, int] | None,
+        levels: Levels,
+    ) -> int:
         num_running = Counter(seq.tenant_id for seq in self.running) if shares is not None else Counter()
-        for seq in self.policy.order(self.waiting, self.running):
+        for seq in self.priority.order(self.policy.order(self.waiting, self.running), levels):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if shares is not None and num_running[seq.tenant_id] >= shares.get(seq.tenant_id, 0):
@@ -201,6 +224,8 @@ class Scheduler:
                 out.overflowed.append(seq)
                 continue
             is_partial = num_new < seq.num_uncomputed_tokens
+            if not (is_partial and not self.enable_chunked_prefill):
+                budget += self._preempt_less_urgent(seq, num_new, out, levels)
             if (is_partial and not self.enable_chunked_prefill) or not self.block_manager.can_allocate(
                 seq, num_new
             ):
@@ -216,6 +241,23 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
         return budget
+
+    def _preempt_less_urgent(self, seq: Sequence, num_new: int, out: SchedulerOutput, levels: Levels) -> int:
+        """KV blocks are short for waiting `seq`: preempt running requests of strictly less urgent
+        levels (least urgent, newest first) until it fits or none is left; the token budget freed."""
+        freed = 0
+        while not self.block_manager.can_allocate(seq, num_new):
+            victims = self.priority.less_urgent(seq, self.running, levels)
+            if not victims:
+                break
+            victim = victims[-1]
+            for item in [x for x in out.scheduled if x.seq is victim]:
+                out.scheduled.remove(item)
+                freed += item.num_new_tokens
+            self._preempt(victim)
+            self.policy.on_not_admitted(victim)
+            out.preempted.append(victim)
+        return freed
 
     def _needs_long_rope(self, seq: Sequence) -> bool:
         return self.long_factor_after is not None and seq.num_tokens > self.long_factor_after
@@ -238,6 +280,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free_sequence(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1

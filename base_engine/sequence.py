@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from adapters.types import AdapterRef
 from base_engine.sampling_params import SamplingParams
 
@@ -65,13 +63,15 @@ class Sequence:
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this sequence's full blocks
-    generator: torch.Generator | None = None
+    seed: int | None = None  # counter-based sampling seed (base_engine/seeded_uniform.py); None: shared
     error: str | None = None
     error_kind: str | None = None  # RequestOutput.error_kind
     times: SequenceTimes = field(default_factory=SequenceTimes)
     adapter_slot: int = -1  # device slot of its adapter while running (-1 = base model)
     deterministic: bool = False  # runs only in batch-invariant steps (base_engine/invariant.py)
     is_long_rope: bool = False  # its K/V use LongRoPE's long factors (set by the scheduler)
+    priority: int = 0  # lower = more urgent (vLLM's convention); base_engine/priority.py
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (speculative/)
 
     @property
     def num_prompt_tokens(self) -> int:

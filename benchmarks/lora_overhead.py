@@ -2,6 +2,7 @@
 
     python benchmarks/lora_overhead.py --json                   # bench-small
     python benchmarks/lora_overhead.py --model smollm2 --json   # the default served model
+    python benchmarks/lora_overhead.py --dtype bfloat16 --json  # bfloat16 weights, factors and KV
 
 Three engines (same model, configuration and prompts; only the adapters differ) each hold 32 running
 requests past their prefills; their decode steps are interleaved one by one (the order rotating every
@@ -59,6 +60,8 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default output)")
     parser.add_argument("--steps", type=int, default=60, help="decode steps per case")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                        help="serving dtype of all four engines [default: float32]")  # fmt: skip
     add_model_arg(parser)
     args = parser.parse_args()
     threads = setup_threads()
@@ -71,7 +74,7 @@ def main() -> None:
         config = EngineConfig(max_num_seqs=BATCH, max_loras=BATCH, max_cpu_loras=BATCH, max_lora_rank=16,
                               num_kv_blocks=BATCH * ((PROMPT_LEN + args.steps + 8) // 16 + 2))  # fmt: skip
         names = ("base", "one", "distinct", "dora")
-        engines = {name: LLMEngine(model_dir, config=config) for name in names}
+        engines = {name: LLMEngine(model_dir, dtype=args.dtype, config=config) for name in names}
         refs = [engines["one"].lora.local_ref(d) for d in dirs]
         dora_refs = [engines["dora"].lora.local_ref(d) for d in dora_dirs]
         cases = {"base": [None] * BATCH, "one": [refs[0]] * BATCH, "distinct": refs, "dora": dora_refs}
@@ -81,12 +84,15 @@ def main() -> None:
         tok_s = {name: BATCH / statistics.median(t) for name, t in times.items()}
         cfg = engines["base"].model_config
         base_bytes = sum(p.numel() * p.element_size() for p in engines["base"].runner.model.parameters())
+        element = engines["base"].dtype.itemsize
         base_bytes -= (
-            cfg.vocab_size * cfg.hidden_size * 4 * (0 if cfg.tie_word_embeddings else 1)
+            cfg.vocab_size * cfg.hidden_size * element * (0 if cfg.tie_word_embeddings else 1)
         )  # embedding rows
+        dtype_name = str(engines["base"].dtype).removeprefix("torch.")
         adapter_bytes = sum((d / "adapter_model.safetensors").stat().st_size for d in dirs)
     result = {
-        "benchmark": "lora-overhead", "model": args.model, "batch": BATCH, "rank": 16, "threads": threads,
+        "benchmark": "lora-overhead", "model": args.model, "dtype": dtype_name,
+        "batch": BATCH, "rank": 16, "threads": threads,
         "steps": args.steps, "base_tok_s": round(tok_s["base"], 2), "one_tok_s": round(tok_s["one"], 2),
         "distinct_tok_s": round(tok_s["distinct"], 2),
         "one_over_base": round(tok_s["one"] / tok_s["base"], 3),

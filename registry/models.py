@@ -99,6 +99,8 @@ class Tenant(Base):
     max_concurrent: Mapped[int | None] = mapped_column(Integer)
     max_adapters: Mapped[int | None] = mapped_column(Integer)
     max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # Priority class (lower = more urgent): its requests' default and the most urgent they may ask for.
+    default_priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class ApiKey(Base):

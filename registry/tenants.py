@@ -18,7 +18,7 @@ from registry.db import transactional
 from registry.errors import Conflict, InvalidName, NotFound
 from registry.keys import issue_key
 from registry.models import AdapterStatus, AdapterVersion, ApiKey, Tenant, TenantStatus, utcnow
-from registry.types import TenantInfo, TenantQuotas
+from registry.types import PRIORITY_MAX, PRIORITY_MIN, TenantInfo, TenantQuotas
 
 # Safe in URLs, object keys and "name@version" model ids: no '/', '@', whitespace or leading dot.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -119,4 +119,17 @@ def set_tenant_quotas(session: Session, *, tenant_id: str, quotas: TenantQuotas)
     row = _tenant_row(session, tenant_id)
     for name, value in asdict(quotas).items():
         setattr(row, name, value)
+    return TenantInfo.from_row(row)
+
+
+@transactional
+def set_tenant_priority(session: Session, *, tenant_id: str, default_priority: int) -> TenantInfo:
+    """The tenant's default priority (lower = more urgent): what its requests get when they name none,
+    and the most urgent level they may ask for."""
+    if not PRIORITY_MIN <= default_priority <= PRIORITY_MAX:
+        raise ValueError(
+            f"default_priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {default_priority}"
+        )
+    row = _tenant_row(session, tenant_id)
+    row.default_priority = default_priority
     return TenantInfo.from_row(row)

@@ -55,6 +55,9 @@ class TenantQuotas:
                 raise ValueError(f"quota {name} must be in [0, {maximum}] or None, got {value}")
 
 
+PRIORITY_MIN, PRIORITY_MAX = -1000, 1000  # the priority levels a tenant or a request may name
+
+
 @dataclass(frozen=True, slots=True)
 class TenantInfo:
     id: str
@@ -62,6 +65,7 @@ class TenantInfo:
     status: str  # TenantStatus value
     created_at: datetime
     quotas: TenantQuotas = field(default_factory=TenantQuotas)
+    default_priority: int = 0  # its requests' default priority and the most urgent they may ask for
 
     @classmethod
     def from_row(cls, row: Tenant) -> TenantInfo:
@@ -72,7 +76,14 @@ class TenantInfo:
             max_adapters=row.max_adapters,
             max_adapter_bytes=row.max_adapter_bytes,
         )
-        return cls(id=row.id, name=row.name, status=row.status, created_at=row.created_at, quotas=quotas)
+        return cls(
+            id=row.id,
+            name=row.name,
+            status=row.status,
+            created_at=row.created_at,
+            quotas=quotas,
+            default_priority=row.default_priority or 0,
+        )
 
 
 @dataclass(frozen=True, slots=True)

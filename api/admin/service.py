@@ -34,7 +34,14 @@ from registry.errors import RegistryError
 from registry.import_grants import get_import_prefixes, set_import_prefixes
 from registry.keys import issue_key, list_keys, revoke_key
 from registry.models import TenantStatus
-from registry.tenants import create_tenant, get_tenant, list_tenants, set_tenant_quotas, set_tenant_status
+from registry.tenants import (
+    create_tenant,
+    get_tenant,
+    list_tenants,
+    set_tenant_priority,
+    set_tenant_quotas,
+    set_tenant_status,
+)
 from registry.types import AuditInfo, KeyInfo, TenantInfo, TenantQuotas
 
 ADMIN = "admin"
@@ -52,6 +59,7 @@ def tenant_view(info: TenantInfo) -> dict[str, Any]:
         "status": info.status,
         "created_at": _ts(info.created_at),
         "quotas": dataclasses.asdict(info.quotas),
+        "default_priority": info.default_priority,
     }
 
 
@@ -119,6 +127,18 @@ def set_quotas(session: Session, *, tenant_id: str, quotas: TenantQuotas) -> dic
     record_audit(
         session, actor=ADMIN, action="tenant.quotas", tenant_id=tenant_id, target=info.name, detail=detail
     )
+    return tenant_view(info)
+
+
+def set_priority(session: Session, *, tenant_id: str, default_priority: int) -> dict[str, Any]:
+    """The tenant's default priority (lower = more urgent; also the most urgent its requests may ask)."""
+    info = _registry_call(
+        set_tenant_priority, session, tenant_id=tenant_id, default_priority=default_priority
+    )
+    record_audit(
+        session, actor=ADMIN, action="tenant.priority", tenant_id=tenant_id, target=info.name,
+        detail={"default_priority": default_priority},
+    )  # fmt: skip
     return tenant_view(info)
 
 

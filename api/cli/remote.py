@@ -123,6 +123,23 @@ def tenant_list(url: UrlOpt = DEFAULT_URL, admin_key: AdminKeyOpt = None, as_jso
     _print(body["data"], ["id", "name", "status", "created_at"], as_json, body)
 
 
+def tenant_priority(
+    tenant: Annotated[str, typer.Argument(help="tenant id or name")],
+    level: Annotated[
+        int, typer.Option("--level", help="default priority, lower = more urgent", min=-1000, max=1000)
+    ],
+    url: UrlOpt = DEFAULT_URL,
+    admin_key: AdminKeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Set a tenant's default priority (admin key): its requests' level when they name none, and the
+    most urgent one they may ask for."""
+    remote = _admin(url, admin_key)
+    tenant_id = _tenant_id(remote, tenant)
+    body = remote.call("PUT", f"/admin/api/tenants/{tenant_id}/priority", json={"default_priority": level})
+    _print([body], ["id", "name", "default_priority"], as_json, body)
+
+
 def tenant_delete(
     tenant: Annotated[str, typer.Argument(help="tenant id or name")],
     url: UrlOpt = DEFAULT_URL,
@@ -269,6 +286,7 @@ def register(tenant_app: typer.Typer, key_app: typer.Typer, adapter_app: typer.T
     """Adds the HTTP commands to the `loraserve` command groups."""
     tenant_app.command("list")(tenant_list)
     tenant_app.command("delete")(tenant_delete)
+    tenant_app.command("priority")(tenant_priority)
     key_app.command("create")(key_create)
     key_app.command("list")(key_list)
     key_app.command("revoke")(key_revoke)

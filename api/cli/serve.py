@@ -43,6 +43,10 @@ def serve(
     dtype: Annotated[
         str | None, typer.Option(help=f"auto | float32 | bfloat16 | float16 {_default('dtype')}")
     ] = None,
+    quantization: Annotated[
+        str | None,
+        typer.Option(help="int8: per-channel int8 base weights computed at load, CPU [default: none]"),
+    ] = None,
     max_model_len: Annotated[
         int | None, typer.Option(help="longest prompt + completion in tokens [default: the model's]")
     ] = None,

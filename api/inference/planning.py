@@ -35,6 +35,7 @@ from api.inference.structured_outputs import request_grammar
 from api.inference.tool_prompt import SYSTEM_PROMPT_TOOLS, TOOLS_HEADER
 from api.inference.tools import ToolPlan, plan_tools
 from api.tenancy.keyfiles import tenant_cache_salt
+from api.tenancy.priority import request_priority
 from base_engine.async_engine import AsyncEngine, EngineRequest
 from base_engine.constraints import CompiledGrammar
 from registry.adapters import resolve_adapter
@@ -105,6 +106,7 @@ def plan_generation(
         num_prompts=len(prompts),
         n=body.n or 1,
         num_prompt_tokens=sum(len(p) for p in prompts),
+        priority=request_priority(body.priority, caller.tenant),
     )
     if tools is not None and tools.in_system_prompt:  # the template cannot render tools (tool_prompt.py)
         ctx.response_headers[TOOLS_HEADER] = SYSTEM_PROMPT_TOOLS
@@ -180,6 +182,7 @@ def _engine_requests(
                 adapter=adapter.ref if adapter else None,
                 tenant_id=ctx.tenant_id,
                 cache_salt=cache_salt,
+                priority=ctx.priority,
             )
             try:
                 engine.validate(request)

@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 from adapters.files import json_depth
 from base_engine.model.tokenizer import check_template_variables
 from registry.models import MAX_USER_CHARS
+from registry.types import PRIORITY_MAX, PRIORITY_MIN
 
 MAX_LOGPROBS = 20  # vLLM's cap; OpenAI allows 5 (completions) and 20 (chat)
 # Nesting of `chat_template_kwargs` (real ones are flat flags such as Qwen3's enable_thinking); the
@@ -86,6 +87,9 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool | None = None
     # Batch-invariant execution: true or false only ("yes", 1 -> 400 naming the field).
     deterministic: StrictBool | None = None
+    # vLLM's priority (lower = more urgent); default and most urgent allowed: the tenant's
+    # (api/tenancy/priority.py)
+    priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True)
     # OpenAI's logit_bias and vLLM's token-level fields (api/inference/logit_fields.py)
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(None, ge=0)

@@ -15,11 +15,10 @@ Seeds and `deterministic`: every request runs with a seed; one that sends none g
 by the server (63 bits, `SeedSource`: HMAC-SHA256 of the request id under the server secret, with
 `--seed` mixed into the key), reported in its provenance header and usage record, so any sampled answer
 can be replayed. No counter is shared between requests, so a tenant learns nothing from its seeds about
-other tenants' requests or seeds. The engine gives each seeded
-request its own generator: ~14 us once at admission, and a sampled row then draws its number alone, ~16
-us per row and step against ~2 us in the shared batched draw (measured on the 2-core dev machine: +1 ms
-per step at 64 sampled rows, lost in the noise of bench-small's end-to-end throughput there); greedy
-rows never draw. `deterministic: true` asks for batch-invariant kernels; a server started with
+other tenants' requests or seeds. A seeded
+request's number for each token is a pure function of its seed and the token's position
+(base_engine/seeded_uniform.py: two splitmix64 rounds in Python, a few us per sampled row and step);
+greedy rows never draw. `deterministic: true` asks for batch-invariant kernels; a server started with
 `--deterministic` runs every request so, and a request's `deterministic: false` is then accepted and
 overruled (the header says `deterministic=?1`): nobody is harmed by an answer that is reproducible, and
 clients that always send the field keep working.

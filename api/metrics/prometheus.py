@@ -33,8 +33,10 @@ from prometheus_client.registry import Collector
 
 from api.context import RequestContext
 from api.metrics.iteration_tokens import IterationTokens
+from api.metrics.residency import ResidencyMetrics
 from api.metrics.series import (
     LoraserveSeries,
+    ResidencySeries,
     VllmSeries,
 )
 from api.metrics.window import RecentStats
@@ -89,6 +91,7 @@ class Metrics:
         self.vllm = VllmSeries(self.registry, model_name, max_model_len)
         self.own = LoraserveSeries(self.registry, self.tenant_registry)
         self.iteration_tokens = IterationTokens(self.registry, model_name)  # api/metrics/iteration_tokens.py
+        self.residency = ResidencyMetrics(ResidencySeries(self.registry, model_name), model_name)
 
     # ---- updates ------------------------------------------------------------------------------
 
@@ -188,10 +191,11 @@ class Metrics:
             (self.own.cpu_evictions, a.cpu_evictions),
         ):
             total.update(float(value))
+        self.residency.update(a, self._adapter_label)
         running: set[str] = set()
         waiting: set[str] = set()
         for ref_id, counts in a.per_adapter.items():
-            label = ref_id if self.tenant_labels else adapter_label(ref_id)
+            label = self._adapter_label(ref_id)
             if counts.running:
                 running.add(label)
             if counts.waiting:
@@ -201,6 +205,9 @@ class Metrics:
         self.vllm.lora_info.labels(
             str(a.num_slots), ",".join(sorted(running)), ",".join(sorted(waiting))
         ).set(self.wall_clock())
+
+    def _adapter_label(self, ref_id: str) -> str:
+        return ref_id if self.tenant_labels else adapter_label(ref_id)
 
     # ---- reading ------------------------------------------------------------------------------
 

@@ -201,3 +201,39 @@ class LoraserveSeries:
         self.tenant_generation_tokens = c(
             "loraserve_tenant_generation_tokens", "Generated tokens per tenant.", ("tenant",), tenants
         )
+
+
+LORA_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                     120.0)  # fmt: skip
+
+
+class ResidencySeries:
+    """vLLM's adapter-residency series (vllm-project/vllm#54830), the ones llm-d's
+    `lora-load-state-scorer` reads (llm-d-router#2792): which adapters this engine holds, where."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        r, base = registry, ["model_name"]
+        self.loaded = Gauge(
+            "vllm:lora_adapter_loaded",
+            "1 per resident LoRA adapter: level gpu (in a device slot) or cpu (host cache only).",
+            [*base, "adapter_name", "level", "pinned", "rank"],
+            registry=r,
+        )
+        self.num_gpu = Gauge(
+            "vllm:num_gpu_loaded_lora_adapters", "LoRA adapters in GPU slots.", base, registry=r
+        ).labels(model_name)
+        self.num_cpu = Gauge(
+            "vllm:num_cpu_loaded_lora_adapters", "LoRA adapters in the host cache.", base, registry=r
+        ).labels(model_name)
+        self.max_gpu = Gauge(
+            "vllm:max_gpu_lora_adapters", "GPU LoRA adapter slots (max_loras).", base, registry=r
+        ).labels(model_name)
+        load_seconds = Histogram(
+            "vllm:lora_adapter_load_seconds",
+            "LoRA adapter transition times: load (into the host cache), activate (host -> GPU slot).",
+            [*base, "transition"],
+            buckets=LORA_LOAD_BUCKETS,
+            registry=r,
+        )
+        self.load_seconds = load_seconds.labels(model_name, "load")
+        self.activate_seconds = load_seconds.labels(model_name, "activate")

@@ -15,7 +15,7 @@ from api.fleet import views
 from api.fleet.views import fleet_view
 from registry.adapters import MAX_VERSION
 from registry.models import TenantStatus
-from registry.types import QUOTA_MAX, TenantQuotas
+from registry.types import PRIORITY_MAX, PRIORITY_MIN, QUOTA_MAX, TenantQuotas
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
 MAX_AUDIT_ID = 2**31 - 1  # the column's limit: a larger `before_id` is a 400, never a database error
@@ -31,6 +31,11 @@ class Quotas(BaseModel):
 
     def to_registry(self) -> TenantQuotas:
         return TenantQuotas(**self.model_dump())
+
+
+class Priority(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    default_priority: int = Field(ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True)
 
 
 VersionQuery = Annotated[int | None, Query(ge=1, le=MAX_VERSION)]
@@ -91,6 +96,12 @@ def delete_tenant(tenant_id: str, _: AdminDep, state: StateDep, session: Session
 @router.put("/tenants/{tenant_id}/quotas", responses=responses(400, 401, 404))
 def set_quotas(tenant_id: str, body: Quotas, _: AdminDep, session: SessionDep) -> dict[str, Any]:
     return svc.set_quotas(session, tenant_id=tenant_id, quotas=body.to_registry())
+
+
+@router.put("/tenants/{tenant_id}/priority", responses=responses(400, 401, 404))
+def set_priority(tenant_id: str, body: Priority, _: AdminDep, session: SessionDep) -> dict[str, Any]:
+    """The tenant's priority class: its requests' default `priority` and the most urgent they may ask."""
+    return svc.set_priority(session, tenant_id=tenant_id, default_priority=body.default_priority)
 
 
 @router.post("/tenants/{tenant_id}/keys", status_code=201, responses=responses(400, 401, 404, 409))

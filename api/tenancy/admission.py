@@ -23,6 +23,12 @@ scheduler caps each tenant's running sequences at its fair share of the batch wh
 (base_engine/fair_share.py) and orders the waiting ones by the Virtual Token Counter
 (base_engine/lora_policy.py), so a newly admitted tenant's requests start at the next step.
 
+Priority classes (api/tenancy/priority.py): `priority_reserve` slots of `max_in_flight` (default 1/8)
+are kept for the most urgent level seen so far (from the default level 0 at start, lower if a more
+urgent request came): a request of a less urgent level is refused (503) once that few slots are
+left, so a flood of background work cannot hold the slots an urgent request needs. Inside the
+engine the levels are served strictly (base_engine/priority.py).
+
 `admit` is the request path's admission step: the tenant's quotas (429), then this bound (503),
 then the meter's `begin`; the `Ticket` it returns gives the slot and the quota back once.
 """
@@ -91,6 +97,7 @@ class Admission:
         fair: bool = True,
         reserve: int | None = None,
         max_queue_len: int | None = None,
+        priority_reserve: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_in_flight < 1:
@@ -103,6 +110,9 @@ class Admission:
             queue = max_in_flight if max_queue_len is None else max_queue_len
             reserve = min(queue, max_in_flight // 8)
         self.reserve = reserve if fair else 0
+        # Slots only the most urgent level seen (`top_priority`) may take.
+        self.priority_reserve = max_in_flight // 8 if priority_reserve is None else priority_reserve
+        self.top_priority = 0
         self._clock = clock
         self._by_tenant: dict[str | None, int] = {}
         self._waiting: dict[str | None, float] = {}  # refused tenant -> when it stops counting as waiting
@@ -120,9 +130,16 @@ class Admission:
         contenders = set(self._by_tenant) | set(self._waiting) | {tenant}
         return max(1, self.max_in_flight // max(2, len(contenders)))
 
-    def _refusal(self, tenant: str | None, num: int, now: float) -> str | None:
+    def _refusal(self, tenant: str | None, num: int, now: float, priority: int = 0) -> str | None:
         """Why `num` more engine requests of `tenant` cannot be admitted now, or None. Holds the lock."""
         total = self.num_in_flight + num
+        self.top_priority = min(self.top_priority, priority)
+        if priority > self.top_priority and total > self.max_in_flight - self.priority_reserve:
+            return (
+                f"The server is busy: {self.priority_reserve} of its {self.max_in_flight} request slots are "
+                f"kept for priority {self.top_priority} and this request's priority is {priority} (lower = "
+                f"more urgent); retry later."
+            )
         if not self.fair:
             return None if total <= self.max_in_flight else self._overloaded(self.max_in_flight)
         share = self._share(tenant, now)
@@ -145,9 +162,9 @@ class Admission:
             f"The server is overloaded ({self.num_in_flight} requests in flight, limit {limit}); retry later."
         )
 
-    def acquire(self, num: int, tenant: str | None = None) -> Ticket:
-        """Admit `num` engine requests of `tenant` or raise 503 (overloaded, over its fair share while
-        others wait, or shutting down)."""
+    def acquire(self, num: int, tenant: str | None = None, priority: int = 0) -> Ticket:
+        """Admit `num` engine requests of `tenant` at `priority` or raise 503 (overloaded, over its fair
+        share while others wait, into the slots kept for more urgent requests, or shutting down)."""
         retry = {"Retry-After": str(RETRY_AFTER_S)}
         with self._lock:
             if self.is_draining:
@@ -163,7 +180,7 @@ class Admission:
                     code="invalid_value",
                 )
             now = self._clock()
-            refusal = self._refusal(tenant, num, now)
+            refusal = self._refusal(tenant, num, now, priority)
             if refusal is not None:
                 self._waiting[tenant] = now + WAITING_WINDOW_S
                 raise APIError(503, refusal, code="overloaded", headers=retry)
@@ -189,7 +206,7 @@ def admit(
     A 503 after the quotas admitted gives the tenant's allowance back (`NOT_ADMITTED`)."""
     release_quota = quotas.admit(ctx)
     try:
-        ticket = admission.acquire(num_requests, ctx.tenant_id)
+        ticket = admission.acquire(num_requests, ctx.tenant_id, ctx.priority)
     except BaseException:
         release_quota(NOT_ADMITTED)
         raise

@@ -20,6 +20,7 @@ import torch
 
 from adapters.types import BaseModelShapes
 from base_engine.model.gemma_config import GEMMA_ACTIVATION, GEMMA_ARCHITECTURES, GemmaText, gemma_text
+from base_engine.model.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_config, moe_sliding_window
 from base_engine.model.phi3 import phi3_rope_fields
 from base_engine.model.unsupported import MODEL_TABLE, architecture_refusal
 
@@ -30,6 +31,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
     "Qwen3ForCausalLM": "qwen3",
     **GEMMA_ARCHITECTURES,
+    **MOE_ARCHITECTURES,
 }
 # RoPE variants whose inverse frequencies are fixed at load time (rope.py reproduces them exactly).
 # "dynamic" and "longrope" change frequencies with the sequence length at run time: refused, except
@@ -48,6 +50,9 @@ _DEFAULT_MAX_POSITIONS = {
     "qwen2": 32768,
     "qwen3": 32768,
     "phi3": 4096,
+    "qwen3_moe": 32768,
+    "qwen2_moe": 32768,
+    "mixtral": 4096 * 32,
 }  # Gemma: gemma_config
 # Qwen3's head_dim defaults to 128 whatever hidden/heads is; the others derive it.
 _DEFAULT_HEAD_DIM = {"qwen3": 128}
@@ -142,6 +147,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before softmax
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     has_vision_tower: bool = False  # a multimodal checkpoint whose text model alone is served
+    moe: MoeConfig | None = None  # routed experts (moe_config.py); None: a dense MLP on every layer
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: full attention)."""
@@ -295,7 +301,16 @@ def _architecture(raw: dict[str, Any], path: Path) -> tuple[str, str]:
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{path}: hidden_act={raw['hidden_act']!r} unsupported; expected 'silu'")
     if raw.get("quantization_config") is not None:
-        raise ValueError(f"{path}: quantization_config present; quantized checkpoints are unsupported")
+        method = (
+            raw["quantization_config"].get("quant_method", "?")
+            if isinstance(raw["quantization_config"], dict)
+            else "?"
+        )
+        raise ValueError(
+            f"{path}: quantization_config present (quant_method {method!r}); GPTQ, AWQ, bitsandbytes and "
+            "other pre-quantized checkpoints are not served: serve the float32/bfloat16 checkpoint, with "
+            "--quantization int8 for per-channel int8 weights computed at load"
+        )
     return arch, model_type
 
 
@@ -337,9 +352,10 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     max_positions = int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type])
     is_llama = model_type == "llama"
     # Llama's, Qwen3's and Gemma's `attention_bias` biases q/k/v and o; Qwen2 always biases q/k/v only.
-    attention_bias = (model_type in ("llama", "qwen3") or gemma is not None) and bool(
+    attention_bias = (model_type in ("llama", "qwen3", "qwen3_moe") or gemma is not None) and bool(
         raw.get("attention_bias", False)
     )
+    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
     gen_path = Path(model_dir) / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _token_ids(gen.get("eos_token_id"), gen_path) or _token_ids(raw.get("eos_token_id"), path)
@@ -352,6 +368,9 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     else:
         rope = _parse_rope(raw, path, max_positions)
     sliding_window = None if gemma is not None else _sliding_window(raw, model_type, path, num_layers)
+    moe = moe_config(raw, model_type, num_layers, path)
+    if moe is not None:
+        sliding_window = moe_sliding_window(raw, model_type, path)
     return _checked(
         path,
         ModelConfig,
@@ -367,7 +386,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
         rope=rope,
-        attention_bias=model_type == "qwen2" or attention_bias,
+        attention_bias=qkv_bias or attention_bias,
         o_proj_bias=attention_bias,
         mlp_bias=is_llama and bool(raw.get("mlp_bias", False)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -375,7 +394,8 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         eos_token_ids=eos,
         bos_token_id=bos if isinstance(bos, int) else None,
         dtype=_dtype(raw, path),
-        qk_norm=model_type == "qwen3" or (gemma is not None and model_type != "gemma2"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or (gemma is not None and model_type != "gemma2"),
+        moe=moe,
         **({} if gemma is None else _gemma_fields(gemma, path, max_positions)),
     )
 

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Gemma 2/3 with the pieces of gemma.py) over a
-paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Gemma 2/3 with the pieces of gemma.py; the MoE
+families with the block of moe.py) over a paged KV cache.
 
 Module and parameter names mirror the Hugging Face checkpoints, except that q/k/v and gate/up are
 packed into one projection each (one matmul instead of three/two); `PACKED` maps checkpoint names to
@@ -17,6 +17,7 @@ from torch import nn
 from base_engine.invariant import invariant_linear
 from base_engine.model.config import ModelConfig
 from base_engine.model.gemma import GemmaDecoderLayer, GemmaRMSNorm, embed_scale, softcap
+from base_engine.model.moe import SparseMoeBlock
 from base_engine.model.rope import apply_rope
 from base_engine.runner.attention import AttentionMetadata, attend, write_kv
 
@@ -41,6 +42,10 @@ class LoraBatch(Protocol):
     """Per-step multi-LoRA state: adds each row's adapter delta to a projection's output in place."""
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None: ...
+
+    def add_embedding(self, input_ids: torch.Tensor, x: torch.Tensor, multiplier: float | None) -> None:
+        """Adds each row's embedding-LoRA delta (rows whose adapter has one) to the looked-up `x`."""
+        ...
 
 
 def project(linear: nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -138,7 +143,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer)
+        self.mlp = _mlp(config, layer)
 
     def forward(
         self,
@@ -150,6 +155,13 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora, meta.invariant)
+
+
+def _mlp(config: ModelConfig, layer: int) -> nn.Module:
+    """Routed experts on the sparse layers of an MoE model (moe.py), else the dense MLP."""
+    if config.moe is not None and config.moe.sparse_layers[layer]:
+        return SparseMoeBlock(config.moe, config.hidden_size, layer)
+    return MLP(config, layer)
 
 
 def _norm(config: ModelConfig, size: int) -> nn.Module:
@@ -204,8 +216,12 @@ class CausalLM(nn.Module):
         local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,  # windowed layers' (Gemma 3)
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        multiplier = None
         if self.config.gemma_layout:
-            x = x * embed_scale(self.config.hidden_size, x.dtype)
+            multiplier = embed_scale(self.config.hidden_size, x.dtype)
+            x = x * multiplier
+        if lora is not None:
+            lora.add_embedding(input_ids, x, multiplier)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             is_local = local_cos_sin is not None and layer.self_attn.window is not None
             x = layer(x, local_cos_sin if is_local else cos_sin, kv_cache, meta, lora)

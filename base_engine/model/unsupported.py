@@ -37,9 +37,6 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
         "attention sinks (a learned per-head logit in every softmax) and MXFP4-quantized "
         "mixture-of-experts MLPs"
     ),
-    "Qwen3MoeForCausalLM": _MOE,
-    "Qwen2MoeForCausalLM": _MOE,
-    "MixtralForCausalLM": _MOE,
     "PhimoeForCausalLM": _MOE,
     "OlmoeForCausalLM": _MOE,
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and " + _MOE,

@@ -17,6 +17,7 @@ import torch
 from base_engine.model.checkpoint import CheckpointReader, MissingTensorError
 from base_engine.model.config import ModelConfig
 from base_engine.model.decoder import PACKED, CausalLM
+from base_engine.model.moe_weights import moe_tensor
 
 # Tensors some checkpoints carry that the math does not use.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
@@ -59,6 +60,18 @@ def _text_names(reader: CheckpointReader, config: ModelConfig, model_dir: Path) 
     )
 
 
+def _copy(
+    param: torch.nn.Parameter, value: torch.Tensor, sources: list[str], reader: CheckpointReader
+) -> None:
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(
+            f"tensor {sources[:3]}{' ...' if len(sources) > 3 else ''} in {reader.file_of(sources[0])} has "
+            f"shape {tuple(value.shape)}, expected {tuple(param.shape)} from config.json"
+        )
+    with torch.no_grad():
+        param.copy_(value.to(param.device))
+
+
 def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> CausalLM:
     reader = CheckpointReader(model_dir)
     rename = _text_names(reader, config, model_dir)
@@ -70,6 +83,11 @@ def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, devi
     used: set[str] = set()
     params = dict(model.named_parameters(remove_duplicate=True))
     for name, param in params.items():
+        expert = moe_tensor(name, config, reader, rename, dtype)
+        if expert is not None:
+            _copy(param, expert[0], expert[1], reader)
+            used.update(expert[1])
+            continue
         own = [name] if config.model_type in FUSED_CHECKPOINTS else checkpoint_sources(name)
         sources = [rename(src) for src in own]
         tensors = []
@@ -81,14 +99,7 @@ def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, devi
                 )
             tensors.append(reader.get(src, dtype=dtype))
             used.add(src)
-        value = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
-        if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(
-                f"tensor {sources} in {reader.file_of(sources[0])} has shape {tuple(value.shape)}, "
-                f"expected {tuple(param.shape)} from config.json"
-            )
-        with torch.no_grad():
-            param.copy_(value.to(device))
+        _copy(param, torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0], sources, reader)
     if config.tie_word_embeddings:
         used.add(rename("lm_head.weight"))
     vision = [n for n in reader.names() if config.has_vision_tower and VISION.match(n)]

@@ -133,6 +133,8 @@ class DecodeGraphs:
         slots = [s.seq.adapter_slot for s in order]
         if bucket.lora_meta is None and any(s >= 0 for s in slots):
             return None
+        if self.lora_pool is not None and any(s in self.lora_pool.embedding for s in slots):
+            return None  # an embedding LoRA's gather runs per slot on the host's segments: eager
         if bucket.lora_meta is not None and len({s for s in slots if s >= 0}) > bucket.lora_meta.max_segments:
             return None
         self._fill(bucket, order, slots)

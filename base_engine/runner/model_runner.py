@@ -92,7 +92,7 @@ class ModelRunner:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             row = len(input_ids)
             row_starts.append(row)
-            input_ids += seq.token_ids(start, start + n)
+            input_ids += seq.token_ids(start, start + n - len(item.drafts)) + item.drafts
             table = seq.block_table
             for pos in range(start, start + n):
                 slots.append(table[pos // bs] * bs + pos % bs)
@@ -100,10 +100,11 @@ class ModelRunner:
             positions += range(rope_row, rope_row + n)
             row_slots += [seq.adapter_slot] * n
             seq_of_row += [index] * n
-            if item.is_sampled:
-                sample_rows.append(row + n - 1)
-                sampled.append(item)
-                sampled_seq.append(index)
+            if item.is_sampled:  # with drafts: its last token's row and every draft's
+                num_sampled = len(item.drafts) + 1
+                sample_rows += range(row + n - num_sampled, row + n)
+                sampled += [item] * num_sampled
+                sampled_seq += [index] * num_sampled
             if _is_decode(item):
                 decode_rows.append(row)
             elif not self.use_paged and not invariant:

@@ -20,7 +20,7 @@ class StepBatch:
     max_position: int  # max(positions), known on the host
     meta: AttentionMetadata  # tensors on the device
     sample_rows: torch.Tensor  # [num_sampled] rows whose logits are sampled, on the device
-    sampled: list[ScheduledSeq]  # the requests those rows belong to, same order
+    sampled: list[ScheduledSeq]  # the requests those rows belong to, same order (drafts: repeated)
     row_slots: list[int]  # adapter slot of every row (-1 = base model), for the LoRA metadata
     seq_of_row: torch.Tensor  # [T] int64 on the device: index into `order` of each row's request
     sampled_seq: torch.Tensor  # [num_sampled] int64 on the device: index into `order`

@@ -31,17 +31,24 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from base_engine.testing.chat_formats import END_OF_TEXT_TOKEN
+from base_engine.testing.moe_layout import fuse_experts
 from base_engine.testing.tokenizer import build_tokenizer
 
 _ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
@@ -53,6 +60,9 @@ _ARCHS: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     "gemma3-vision": (Gemma3Config, Gemma3ForConditionalGeneration),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
 }
 # The smallest SigLIP tower Gemma3ForConditionalGeneration builds: 28 px images of 2 x 2 patches,
 # pooled to mm_tokens_per_image = 4.
@@ -120,12 +130,14 @@ def save_random_checkpoint(
     dtype: torch.dtype = torch.float32,
     max_position_embeddings: int = 2048,
     init_scale: float = 1.6,
+    expert_layout: str = "per_expert",
     **config_overrides: Any,
 ) -> Path:
     """Write a random-weight HF checkpoint (safetensors + tokenizer + generation config) to `path`.
 
     `config_overrides` go to the transformers config (e.g. `head_dim`, `rope_parameters`,
     `attention_bias`, `sliding_window`); `init_scale` sets the weights' size (see `_randomize_`).
+    MoE archs: `expert_layout` "per_expert" (what save_pretrained writes) or "fused" (3-D expert tensors).
     Same arguments, same weights. Returns `path`.
     """
     path = Path(path)
@@ -159,5 +171,7 @@ def save_random_checkpoint(
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=[eot_id, end_of_text_id])
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    if expert_layout == "fused":
+        fuse_experts(path)
     tokenizer.save_pretrained(path)
     return path

@@ -160,7 +160,8 @@ def expand(
 ) -> None:
     """y[rows, slice s] += scale(s, a) * v[:, :r(s, a), s] @ B_s[a, :r(s, a)] for each slice."""
     assert params.ranks_host is not None
-    v = v * params.scales.index_select(1, bag_plan.slots).t()[:, None, :]  # [M, R, S] * [M, 1, S]
+    # [M, R, S] * [M, 1, S] in fp32, rounded once to the tables' dtype (the bag's per-sample weights)
+    v = (v.float() * params.scales.index_select(1, bag_plan.slots).t()[:, None, :]).to(tables.a.dtype)
     max_rank = layout.max_rank
     for s, (off, size) in enumerate(zip(layout.out_offsets, layout.out_sizes, strict=True)):
         slot_ranks = params.ranks_host[s]

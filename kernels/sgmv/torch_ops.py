@@ -28,6 +28,7 @@ from kernels.sgmv.meta import SgmvMeta
 GATHER_MIN_SEGMENTS = 8
 GATHER_MAX_ROWS_PER_SEGMENT = 2
 GATHER_MAX_ROW_BYTES = 32 * 1024
+CPU_LAYOUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def use_gather(meta: SgmvMeta, layout: LoraLayout, params: SlotParams) -> bool:
@@ -95,9 +96,10 @@ def add_lora_torch(
     if meta.invariant:
         _add_lora_invariant(y, x, lora_a, lora_b, meta, params, layout)
         return
-    # The CPU layout (layout.py) in fp32 with host ranks and scales: bag schedule and fused segment loop.
+    # The CPU layout (layout.py) with host ranks and scales, in fp32 or bf16 (FBGEMM's bf16 bags and
+    # oneDNN's bf16 GEMMs accumulate in fp32): bag schedule and fused segment loop.
     host = params.ranks_host is not None and params.scales_host is not None
-    tables = bag_tables(lora_a, lora_b) if host and x.dtype == torch.float32 else None
+    tables = bag_tables(lora_a, lora_b) if host and x.dtype in CPU_LAYOUT_DTYPES else None
     if tables is not None:
         bag_plan = torch_bag.plan(meta, torch_bag.max_segment_rows(layout, x.element_size()))
         views = torch_fused.slot_views(lora_a, lora_b, tables, layout)

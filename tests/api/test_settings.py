@@ -43,3 +43,12 @@ def test_cli_sets_a_passive_omp_wait_policy_unless_the_user_chose_one() -> None:
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert f"POLICY {expected}" in done.stdout
+
+
+def test_quantization_reaches_the_engine_config_and_others_are_refused_by_name() -> None:
+    import pytest
+
+    assert Settings(quantization="int8").engine_config().quantization == "int8"
+    assert Settings().engine_config().quantization is None
+    with pytest.raises(ValueError, match=r"quantization 'gptq' checkpoints are not served; expected one of"):
+        Settings(quantization="gptq").engine_config()

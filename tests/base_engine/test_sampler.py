@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from base_engine.sampler import Sampler, SamplingRow, apply_penalties, inverse_cdf_sample, make_generator
+from base_engine.sampler import Sampler, SamplingRow, apply_penalties, inverse_cdf_sample
 from base_engine.sampling_params import SamplingParams
 
 
 def row(params: SamplingParams, prompt: list[int] = (), output: list[int] = ()) -> SamplingRow:  # type: ignore[assignment]
-    return SamplingRow(params, list(prompt), list(output), make_generator(params.seed))
+    return SamplingRow(params, list(prompt), list(output), params.seed)
 
 
 def softmax64(logits: list[float]) -> list[float]:
@@ -272,3 +272,32 @@ def test_logprobs_come_from_raw_logits_and_include_the_chosen_token() -> None:
     # The frequency penalty moved row 1 off its raw argmax; its logprob is still the raw one.
     assert out.token_ids[1] != int(logits[1].argmax())
     assert list(out.logprobs[1]) == [out.token_ids[1]]
+
+
+def test_seeded_draw_depends_only_on_seed_and_position() -> None:
+    """Counter-based: scoring a position twice, or several positions in one call, draws the same
+    token; a generator advancing per call would not (speculative verification relies on this)."""
+    vocab = 64
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=1.0, seed=77)
+    prefixes = [[3] * n for n in range(12)]
+    one_at_a_time = [
+        Sampler(seed=0)(logits.unsqueeze(0), [row(params, [1, 2], p)]).token_ids[0] for p in prefixes
+    ]
+    sampler = Sampler(seed=1)
+    sampler(logits.unsqueeze(0), [row(params, [1, 2], [])])  # an extra draw first changes nothing
+    together = sampler(
+        logits.expand(len(prefixes), vocab), [row(params, [1, 2], p) for p in prefixes]
+    ).token_ids
+    assert together == one_at_a_time
+    assert len(set(one_at_a_time)) > 1  # the position moves the draw
+
+
+def test_position_uniform_is_spread_over_the_unit_interval() -> None:
+    from base_engine.seeded_uniform import position_uniform
+
+    u = torch.tensor([position_uniform(seed, pos) for seed in range(20) for pos in range(500)])
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert float(counts.min()) > 0.9 * len(u) / 10

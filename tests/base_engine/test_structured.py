@@ -107,7 +107,7 @@ def test_sampler_masks_only_constrained_rows(compiler: GrammarCompiler) -> None:
     rows = [
         SamplingRow(SamplingParams(temperature=0.0), [1], [], None),
         SamplingRow(SamplingParams(temperature=0.0, constraint=grammar.new_constraint()), [1], [], None),
-        SamplingRow(SamplingParams(temperature=1.0, seed=1, logprobs=1), [1], [], torch.Generator()),
+        SamplingRow(SamplingParams(temperature=1.0, seed=1, logprobs=1), [1], [], 1),
     ]
     before = logits.clone()
     out = Sampler(seed=0)(logits, rows)

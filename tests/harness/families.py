@@ -146,3 +146,68 @@ FAMILIES: tuple[str, ...] = (
     "gemma3-window",
     "phi3-longrope",
 )
+
+# Mixture-of-experts families (base_engine/model/moe.py): 8 experts, top-2 / top-4, expert width 32.
+_MOE_SHAPE = {"num_hidden_layers": 3, "num_key_value_heads": 2}
+CHECKPOINTS.update(
+    {
+        # Qwen3-MoE: q/k norms, head_dim 32, norm_topk_prob, layer 1 dense (mlp_only_layers).
+        "qwen3-moe": {
+            "arch": "qwen3_moe",
+            "seed": 11,
+            **_MOE_SHAPE,
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+        "qwen3-moe-fused": {
+            "arch": "qwen3_moe",
+            "seed": 12,
+            **_MOE_SHAPE,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "expert_layout": "fused",
+        },
+        # Mixtral: block_sparse_moe w1/w2/w3 names, top-2 renormalised, a window shorter than prompts.
+        "mixtral-window": {
+            "arch": "mixtral",
+            "seed": 13,
+            **_MOE_SHAPE,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "sliding_window": 12,
+        },
+        "mixtral-fused": {
+            "arch": "mixtral",
+            "seed": 14,
+            **_MOE_SHAPE,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "expert_layout": "fused",
+        },
+        # Qwen2-MoE: q/k/v bias, a gated shared expert, top-4 without renormalisation, sparse step 2.
+        "qwen2-moe": {
+            "arch": "qwen2_moe",
+            "seed": 15,
+            **_MOE_SHAPE,
+            "num_experts": 8,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "decoder_sparse_step": 2,
+        },
+    }
+)
+MOE_FAMILIES: tuple[str, ...] = (
+    "qwen3-moe",
+    "mixtral-window",
+    "qwen2-moe",
+    "qwen3-moe-fused",
+    "mixtral-fused",
+)

@@ -131,13 +131,34 @@ def test_rank_zero_slices_and_rows_without_adapter_in_bags() -> None:
     assert_matches(case, expected, before, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_on_cpu_layout_uses_the_loop(dtype: torch.dtype) -> None:
+def test_float16_on_cpu_layout_uses_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = Spy(monkeypatch)
     case = cpu_case(num_tokens=9, hidden_in=32, out_sizes=(16, 16), num_slots=9, max_rank=8,
-                    popularity="distinct", dtype=dtype, seed=2)  # fmt: skip
+                    popularity="distinct", dtype=torch.float16, seed=2)  # fmt: skip
     expected, before = expected_output(case), case.buf.clone()
     run_add_lora(case, "torch")
-    assert_matches(case, expected, before, dtype)
+    assert_matches(case, expected, before, torch.float16)
+    assert (spy.bag, spy.fused) == (0, 0)
+
+
+@pytest.mark.parametrize("cfg", GRID[:21], ids=[f"{c['popularity']}-{c['seed']}" for c in GRID[:21]])
+def test_bfloat16_cpu_layout_matches_float64_loop(cfg: dict) -> None:
+    """bf16 stacks take the same bag / fused-loop schedules as fp32 (FBGEMM bags and oneDNN GEMMs
+    accumulate in fp32), within reference.TOLERANCES[bfloat16] (the bound is explained there)."""
+    case = cpu_case(**{**cfg, "dtype": torch.bfloat16})
+    expected, before = expected_output(case), case.buf.clone()
+    run_add_lora(case, "torch")
+    assert_matches(case, expected, before, torch.bfloat16)
+
+
+def test_bfloat16_distinct_rows_take_the_bag_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = Spy(monkeypatch)
+    case = cpu_case(num_tokens=12, hidden_in=64, out_sizes=(32, 16, 16), num_slots=12, max_rank=16,
+                    popularity="distinct", dtype=torch.bfloat16, seed=3)  # fmt: skip
+    expected, before = expected_output(case), case.buf.clone()
+    run_add_lora(case, "torch")
+    assert_matches(case, expected, before, torch.bfloat16)
+    assert (spy.bag, spy.fused) == (1, 0)
 
 
 def test_shrink_and_expand_building_blocks_on_cpu_layout() -> None:

@@ -100,6 +100,22 @@ async def set_quotas(tenant_id: str, request: Request, db: SessionDep, session: 
     return _attempt(session, act, f"/admin/tenants/{tenant_id}")
 
 
+@router.post("/tenants/{tenant_id}/priority")
+def set_priority(
+    tenant_id: str, db: SessionDep, session: CsrfDep, default_priority: Annotated[str, Form()] = ""
+) -> Response:
+    def act() -> str:
+        raw = default_priority.strip()
+        if not raw.lstrip("-").isdigit() or not raw.isascii():
+            raise APIError(
+                400, f"default priority must be a whole number, got {raw!r}", param="default_priority"
+            )
+        svc.set_priority(db, tenant_id=tenant_id, default_priority=int(raw))
+        return f"Default priority set to {int(raw)}."
+
+    return _attempt(session, act, f"/admin/tenants/{tenant_id}")
+
+
 @router.post("/tenants/{tenant_id}/status")
 def set_status(
     tenant_id: str, console: ConsoleDep, db: SessionDep, session: CsrfDep, status: Annotated[str, Form()] = ""

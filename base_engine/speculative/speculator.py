@@ -1,0 +1,78 @@
+"""The engine's speculation: which running requests get drafts this step, how many, and the counts.
+
+A request is speculated when it decodes (one uncomputed token), is not deterministic (those run
+without speculation: README), has no grammar (its matcher holds one state, advanced per sampled
+row), and did not opt out (``SamplingParams.speculative``). Its k never lets the emitted tokens pass
+``max_tokens`` or the context.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from base_engine.sequence import Sequence
+from base_engine.speculative.ngram import NgramProposer
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Cumulative counts per adapter name ("" = base model), named after vLLM's spec_decode metrics."""
+
+    num_drafts: Counter[str] = field(default_factory=Counter)
+    num_draft_tokens: Counter[str] = field(default_factory=Counter)
+    num_accepted_tokens: Counter[str] = field(default_factory=Counter)
+
+    def acceptance(self, adapter: str) -> float | None:
+        drafted = self.num_draft_tokens[adapter]
+        return None if drafted == 0 else self.num_accepted_tokens[adapter] / drafted
+
+
+def parse_speculative(spec: str | None) -> str | None:
+    """None, "ngram"; anything else is refused by name."""
+    if spec in (None, "", "off"):
+        return None
+    if spec == "ngram":
+        return spec
+    raise ValueError(f"speculative must be 'ngram' (or unset), got {spec!r}")
+
+
+class Speculator:
+    def __init__(self, method: str, num_speculative_tokens: int, max_model_len: int) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.method = method
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer()
+        self.stats = SpecStats()
+
+    def propose(self, running: Iterable[Sequence]) -> None:
+        """Sets ``draft_token_ids`` of every running request (empty where it is not speculated)."""
+        for seq in running:
+            k = self._budget(seq)
+            seq.draft_token_ids = (
+                self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, k) if k > 0 else []
+            )
+
+    def _budget(self, seq: Sequence) -> int:
+        params = seq.params
+        if (
+            seq.num_uncomputed_tokens != 1
+            or not seq.output_token_ids
+            or seq.deterministic
+            or params.constraint is not None
+            or params.has_logit_rules  # min_tokens / bad words depend on the position: no drafts
+            or not getattr(params, "speculative", True)
+        ):
+            return 0
+        room_output = params.max_tokens - seq.num_output_tokens - 1
+        room_context = self.max_model_len - seq.num_tokens - 1
+        return max(0, min(self.k, room_output, room_context))
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        name = "" if seq.adapter is None else seq.adapter.name
+        self.stats.num_drafts[name] += 1
+        self.stats.num_draft_tokens[name] += num_drafts
+        self.stats.num_accepted_tokens[name] += num_accepted
