@@ -30,8 +30,9 @@ from api.bootstrap import build_console
 from api.deps import get_caller, precheck_admin, precheck_caller, require_admin
 from api.errors import install_error_handlers
 from api.http.body_limit import BodyLimit
+from api.http.key_alias import KeyAlias
 from api.http.key_guard import GuardedRoute, KeyGuard
-from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage
+from api.routes import adapter_import, adapters, admin, health, openai, tokenize, usage, vllm_lora
 from api.server import run
 from api.state import AppState
 
@@ -72,13 +73,16 @@ def create_app(state: AppState, *, extra_routers: Sequence[APIRouter] = ()) -> F
         BodyLimit, max_bytes=settings.max_request_body_bytes, timeout_s=settings.request_body_timeout_s
     )
     routers = (openai.router, tokenize.router, adapters.router, admin.router, health.router, usage.router)
-    routers = (*routers, adapter_import.router, *extra_routers)
+    routers = (*routers, adapter_import.router, vllm_lora.router, *extra_routers)
     for router in routers:
         app.include_router(router)
     # Outside BodyLimit: a body sent with a key its route refuses is never read, let alone parsed.
     app.add_middleware(KeyGuard, routes=guarded_routes(r for router in routers for r in router.routes))
     install_console(app, build_console(state))  # the admin web console under /admin (its README.md)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    if state.static_key_alias is not None:  # outermost: every layer below sees the issued key
+        static_key, issued_key = state.static_key_alias
+        app.add_middleware(KeyAlias, static_key=static_key, issued_key=issued_key)
     return app
 
 

@@ -29,6 +29,7 @@ from api.inference.limits import RequestLimits
 from api.inference.provenance import server_provenance
 from api.inference.sampling import SeedSource
 from api.inference.services import Inference
+from api.inference.tool_parser import TOOL_FORMATS
 from api.metering.request_meter import open_meter
 from api.metrics.prometheus import Metrics
 from api.metrics.sampler import MetricsSampler
@@ -47,6 +48,7 @@ from api.tenancy.keyfiles import (
 from api.tenancy.plan_gate import PlanGate
 from api.tenancy.quota_gate import TenantQuotaGate
 from api.tenancy.quotas_db import open_limiter
+from api.tenancy.static_tenant import StaticTenantError, ensure_static_tenant
 from base_engine.async_engine import AsyncEngine
 from base_engine.engine import LLMEngine
 from base_engine.identity import describe_engine
@@ -62,6 +64,22 @@ from registry.types import TenantQuotas
 logger = logging.getLogger(__name__)
 
 
+class StartError(Exception):
+    """The server cannot start for a reason its operator can fix (an unsupported checkpoint, a limit the
+    model cannot meet): the CLI prints the message alone and exits with status 2."""
+
+
+def checked_model(settings: Settings) -> Path:
+    """`resolve_model`, with its config read (architecture, shapes) so a checkpoint we cannot serve is
+    refused before anything else starts."""
+    try:
+        model_dir = resolve_model(settings)
+        load_model_config(model_dir)
+    except ValueError as exc:
+        raise StartError(str(exc)) from None
+    return model_dir
+
+
 def resolve_model(settings: Settings) -> Path:
     """The checkpoint directory `--model` names, made on first use: downloaded, converted from GGUF,
     or the random demo model written into the data dir."""
@@ -73,6 +91,9 @@ def resolve_model(settings: Settings) -> Path:
 def build_state(settings: Settings) -> AppState:
     check_fleet_settings(settings)  # a fleet replica: PostgreSQL + S3 + provided admin key, or refuse
     data_dir = make_private_dir(settings.data_dir)  # 0700: keys, database, journal, adapters
+    model_dir = checked_model(settings)  # fails fast: before migrations, registry and secrets
+    check_tool_call_parser(settings.tool_call_parser)
+    chat_template = chat_template_text(settings.chat_template) if settings.chat_template else None
     make_private_database(settings.db_url)
     if settings.fleet:
         check_fleet_schema(settings)  # migrations run once per deploy (`loraserve db upgrade`)
@@ -81,16 +102,20 @@ def build_state(settings: Settings) -> AppState:
     sessions, store = _open_registry(settings)
     disk = DiskTier(data_dir / "adapter-cache", store, settings.disk_cache_bytes)
     adapter_fetch = AdapterFetch(disk, wait_s=settings.adapter_fetch_wait_s)
-    model_dir = resolve_model(settings)
     record_served_model(data_dir, settings.model_source)
     admin_key, admin_created, server_secret = _secrets(settings, data_dir)
-    engine = LLMEngine(
-        model_dir,
-        device=settings.device,
-        dtype=settings.dtype,
-        config=settings.engine_config(),
-        fetch=adapter_fetch,
-    )
+    try:
+        engine = LLMEngine(
+            model_dir,
+            device=settings.device,
+            dtype=settings.dtype,
+            config=settings.engine_config(),
+            fetch=adapter_fetch,
+        )
+    except ValueError as exc:  # e.g. a max_model_len the model cannot reach
+        raise StartError(str(exc)) from None
+    if chat_template is not None:  # before anything renders a chat or reads the template's tool syntax
+        engine.tokenizer.chat_template = chat_template
     async_engine = AsyncEngine(engine)
     provenance = server_provenance(
         model_dir=model_dir,
@@ -135,6 +160,21 @@ def build_state(settings: Settings) -> AppState:
             base_model=state.model_name,
             random_adapters=settings.is_random_demo,
         )
+    if settings.lora_modules or settings.static_api_key is not None:  # `vllm serve` flags
+        try:
+            issued = ensure_static_tenant(
+                sessions=sessions,
+                store=store,
+                data_dir=data_dir,
+                tenant=settings.static_tenant,
+                lora_modules=settings.lora_modules,
+                validate=state.validator(),
+                base_model=state.model_name,
+            )
+        except StaticTenantError as exc:
+            raise StartError(str(exc)) from None
+        if settings.static_api_key is not None:
+            state.static_key_alias = (settings.static_api_key.get_secret_value(), issued)
     return state
 
 
@@ -228,7 +268,26 @@ def _inference(
         inflight=InFlight(meter=meter, metrics=metrics),
         plan_gate=PlanGate(settings.max_concurrent_plans_per_tenant),
         adapter_fetch=adapter_fetch,
+        tool_call_parser=settings.tool_call_parser,
     )
+
+
+def check_tool_call_parser(name: str | None) -> None:
+    """vLLM's --tool-call-parser names one of our tool syntaxes (or auto: the template's)."""
+    if name is not None and name not in (*TOOL_FORMATS, "auto"):
+        raise StartError(f"--tool-call-parser {name!r} is not served; expected one of {list(TOOL_FORMATS)}")
+
+
+def chat_template_text(value: str) -> str:
+    """vLLM's --chat-template: the text of the file it names, else the value itself when it looks like a
+    Jinja template."""
+    path = Path(value)
+    if "{" not in value and "\n" not in value:
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise StartError(f"--chat-template {value!r}: cannot read the file ({exc.strerror})") from None
+    return value
 
 
 def build_console(state: AppState) -> Console:

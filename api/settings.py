@@ -33,6 +33,13 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     admin_key: SecretStr | None = None  # None = generated once and kept in <data_dir>/admin.key
+    # vLLM drop-in (api/cli/vllm_flags.py, api/tenancy/static_tenant.py): `--lora-modules` name=path
+    # registered at start, and vLLM's `--api-key` (a static key that acts as a key of the tenant).
+    lora_modules: list[str] = Field(default_factory=list)
+    static_api_key: SecretStr | None = None
+    static_tenant: str = "demo"
+    chat_template: str | None = None  # vLLM's --chat-template: a file or the template itself
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser: hermes | mistral | llama3_json
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     # Engine (names follow base_engine.EngineConfig / vLLM's engine arguments).

@@ -66,6 +66,8 @@ class AppState:
     demo: DemoInfo | None = None
     admin_key_created: bool = False
     fleet_agent: ReplicaAgent | None = None  # in fleet mode, started by the app's lifespan
+    # vLLM's --api-key -> an issued key of its tenant (api/http/key_alias.py)
+    static_key_alias: tuple[str, str] | None = None
     # Built in __post_init__: own thread pools, the upload bound and limits, /ready probes.
     pools: BlockingPools = field(init=False)
     upload_gate: TenantUploadGate = field(init=False)

@@ -252,6 +252,14 @@ class GrammarCompiler:
     def compile_lark(self, lark: str) -> CompiledGrammar:
         return self.compile(self.lark_grammar(lark))
 
+    def compile_regex(self, regex: str) -> CompiledGrammar:
+        """The whole output matches ``regex`` (llguidance's regex syntax: Rust's ``regex`` crate)."""
+        try:
+            grammar = str(self._llg.LLMatcher.grammar_from_regex(regex))
+        except (ValueError, RuntimeError) as exc:
+            raise GrammarError(_short_error(str(exc))) from None
+        return self.compile(grammar)
+
 
 def lark_json(schema: dict[str, Any], *, whitespace: bool = False) -> str:
     """``%json {...}`` for a Lark grammar: the schema with this module's JSON whitespace options."""

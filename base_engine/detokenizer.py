@@ -11,7 +11,9 @@ grow with the output and the text is what a full ``tokenizer.decode`` gives.
   space of a decoded text (sentencepiece's Metaspace) still give the space at the boundary.
 - Stop strings are matched by one automaton per request (base_engine/stop_strings.py) that reads each
   new character once, however many stops there are, so they match across token boundaries; streamed
-  text holds back any tail that may still grow into one.
+  text holds back any tail that may still grow into one. As vLLM's detokenizer, a stop string ends the
+  request only once more than ``min_tokens`` tokens were generated; the text read before is still fed to
+  the automaton, so a stop that spans the boundary matches.
 
 Text once decoded is never taken back. A byte-fallback decoder (``<0xNN>`` tokens) that meets an
 invalid run of bytes turns the whole run into U+FFFD, rewriting characters decoded before; only for
@@ -59,6 +61,8 @@ class Detokenizer:
         self._stops = params.stop_automaton  # None without stop strings
         self._stop_state = 0  # where the text read so far leaves the automaton
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        self._num_output = 0  # output tokens given to update()
         # Prompt ids are kept only as decoding context for the first output tokens.
         self._token_ids: list[int] = list(prompt_token_ids[-_PREFIX_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # window start: context decoded again each step
@@ -88,6 +92,7 @@ class Detokenizer:
         if self._stop is not None:
             raise RuntimeError(f"update() after stop string {self._stop!r} matched: the request has finished")
         self._token_ids.extend(new_token_ids)
+        self._num_output += len(new_token_ids)
         window_text, read_text = self._decode_window()
         if window_text.endswith(_REPLACEMENT_CHAR) or len(window_text) <= len(read_text):
             return None  # an incomplete character (or nothing new yet): wait for more tokens
@@ -127,6 +132,10 @@ class Detokenizer:
             self._push(new_text)
             return None
         self._stop_state, match = self._stops.feed(self._stop_state, new_text)
+        while match is not None and self._num_output <= self._min_tokens:  # too early: read on past it
+            start = match.end
+            self._stop_state, match = self._stops.feed(self._stop_state, new_text[start:])
+            match = None if match is None else match._replace(end=start + match.end)
         if match is None:
             self._push(new_text)
             return None

@@ -5,6 +5,7 @@ Synchronous and single-threaded; `LLM` drives it offline and `AsyncEngine` from 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from functools import cached_property
@@ -18,13 +19,14 @@ from base_engine.block_manager import BlockManager
 from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
 from base_engine.invariant import Determinism
+from base_engine.logit_rules import check_rule_token_ids
 from base_engine.lora import LoraStepBatch, ModelWeights, make_lora_manager
 from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
 from base_engine.model.int8 import quantize_int8
 from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
-from base_engine.outputs import NON_FINITE, EngineStats, RequestOutput
+from base_engine.outputs import ITERATION_TOKEN_BUCKETS, NON_FINITE, EngineStats, RequestOutput
 from base_engine.postprocess import finish_output, step_output, stop_reason
 from base_engine.priority import PriorityPolicy
 from base_engine.runner.cuda_graphs import DecodeGraphs
@@ -117,7 +119,7 @@ class LLMEngine:
             device=self.device,
             attention=self.config.attention,
         )
-        self.sampler = Sampler(seed=self.config.seed)
+        self.sampler = Sampler(seed=self.config.seed, eos_token_ids=self.eos_token_ids)
         method = parse_speculative(self.config.speculative)
         self.speculator = (
             None
@@ -134,6 +136,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
         self.num_steps = 0
+        self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # EngineStats'
+        self.iteration_tokens_sum = 0
         self.step_request_ids: list[str] = []  # requests of the step in progress (failed if it raises)
         # Outputs of the step in progress, appended as they are made: when a step raises, the finals
         # of the requests it already finished are still here to be delivered.
@@ -202,6 +206,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.deterministic and (reason := self.determinism.refusal()) is not None:
             raise ValueError(reason)
+        check_rule_token_ids(params, self.model_config.vocab_size)
 
     def add_request(
         self,
@@ -266,6 +271,11 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         self.num_steps += 1
+        # [1, 8, 16, ...]: a step of 9 tokens counts in the bucket of 16
+        self.iteration_token_counts[
+            bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sched.num_batched_tokens)
+        ] += 1
+        self.iteration_tokens_sum += sched.num_batched_tokens
         invariant = self.determinism.always or any(item.seq.deterministic for item in sched.scheduled)
         batch = self._prepare(sched, invariant=invariant)
         self.runner.clear_blocks(self.block_manager.take_fresh_blocks())
@@ -403,4 +413,6 @@ class LLMEngine:
             num_prefix_hits=bm.num_prefix_hits,
             num_steps=self.num_steps,
             adapters=self.lora.stats(self.scheduler.running, self.scheduler.waiting),
+            iteration_token_counts=tuple(self.iteration_token_counts),
+            iteration_tokens_sum=self.iteration_tokens_sum,
         )

@@ -81,6 +81,9 @@ class AdapterCacheStats:
     recent_activate_seconds: tuple[float, ...] = ()  # the latest host -> slot copies' durations
 
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -92,6 +95,10 @@ class EngineStats:
     num_prefix_hits: int  # of those, tokens found
     num_steps: int
     adapters: AdapterCacheStats = field(default_factory=AdapterCacheStats)
+    # Steps by the tokens they computed (vLLM's `iteration_tokens_total`): count per bucket of
+    # ITERATION_TOKEN_BUCKETS (upper bounds, inclusive), then the count above the last; and their sum.
+    iteration_token_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -13,6 +13,8 @@ def stop_reason(
     params = seq.params
     if matched_stop is not None:
         return SequenceStatus.FINISHED_STOPPED
+    if seq.num_output_tokens < params.min_tokens:  # as vLLM: no EOS / stop token ends it before min_tokens
+        return SequenceStatus.FINISHED_LENGTH if seq.num_tokens >= max_model_len else None
     if token_id in eos_token_ids and not params.ignore_eos:
         return SequenceStatus.FINISHED_STOPPED
     if token_id in params.stop_token_set:

@@ -1,6 +1,7 @@
 """Turns one step's logits into one token per request.
 
-Semantics follow vLLM's sampler: logprobs are ``log_softmax`` of the raw logits; then repetition
+Semantics follow vLLM's sampler: logprobs are ``log_softmax`` of the raw logits; then the request's
+logit rules (allowed token ids, bad words, min tokens, logit bias: base_engine/logit_rules.py), repetition
 penalty (CTRL, Keskar et al. 2019: over prompt + output, ``logit > 0 -> logit / r`` else
 ``logit * r``), frequency / presence penalties (OpenAI API: over output only,
 ``logit -= f * count + p * (count > 0)``), temperature, top-k, top-p (nucleus, Holtzman et al.
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from base_engine.constraints import advance_constraints, apply_constraints
+from base_engine.logit_rules import apply_logit_rules
 from base_engine.sampling_params import SamplingParams
 from base_engine.seeded_uniform import position_uniform
 
@@ -48,7 +50,8 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.eos_token_ids = eos_token_ids  # masked with the stop token ids until min_tokens
         # Rows without a seed draw from this one (on CPU; the draws are moved).
         self._generator = torch.Generator()
         if seed is None:
@@ -65,12 +68,18 @@ class Sampler:
         penalty_idx = [i for i, p in enumerate(params) if p.needs_penalties]
         logprob_idx = [i for i, p in enumerate(params) if p.logprobs is not None]
         constrained_idx = [i for i, p in enumerate(params) if p.constraint is not None]
-        if not (random_idx or penalty_idx or logprob_idx or constrained_idx):
+        rule_idx = [i for i, p in enumerate(params) if p.has_logit_rules]
+        if not (random_idx or penalty_idx or logprob_idx or constrained_idx or rule_idx):
             # All-greedy fast path: one argmax, no per-row work.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         raw = logits.float()  # [num_rows, vocab]
-        penalized = apply_penalties(raw, rows) if penalty_idx else raw
+        ruled = raw
+        if rule_idx:
+            rule_params = [params[i] for i in rule_idx]
+            outputs = [rows[i].output_token_ids for i in rule_idx]
+            ruled = apply_logit_rules(raw, rule_idx, rule_params, outputs, self.eos_token_ids)
+        penalized = apply_penalties(ruled, rows) if penalty_idx else ruled
         constraints = [c for p in params if (c := p.constraint) is not None]  # rows constrained_idx
         if constrained_idx:  # grammar masks, on their rows only (logprobs stay those of the raw logits)
             outputs = [rows[i].output_token_ids for i in constrained_idx]

@@ -67,6 +67,12 @@ class SamplingParams:
     # Constrained decoding (base_engine/constraints.py): this request's own grammar matcher, which masks
     # its row of the logits before each draw. One request per object (it holds the request's state).
     constraint: Any = None
+    # Logit rules (base_engine/logit_rules.py): vLLM's min_tokens, allowed_token_ids and bad words (as
+    # token sequences: the server encodes the words), OpenAI's logit_bias (token id -> added value).
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    logit_bias: dict[int, float] | None = None
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
     stop_automaton: StopAutomaton | None = field(init=False, repr=False, compare=False)  # of ``stop``
 
@@ -88,6 +94,7 @@ class SamplingParams:
             callable(getattr(self.constraint, m, None)) for m in ("sync", "accept", "fill_mask")
         ):
             raise ValueError(f"constraint must be a GrammarConstraint, got {type(self.constraint).__name__}")
+        _check_logit_rules(self)
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
         self.stop_token_set = frozenset(self.stop_token_ids)
@@ -104,9 +111,43 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
+    def has_logit_rules(self) -> bool:
+        """True when min_tokens, allowed_token_ids, bad words or logit_bias may change the logits."""
+        return bool(self.min_tokens or self.allowed_token_ids or self.bad_words_token_ids or self.logit_bias)
+
+    @property
     def max_stop_len(self) -> int:
         """Length in characters of the longest stop string (0 without stop strings)."""
         return max((len(s) for s in self.stop), default=0)  # type: ignore[union-attr]
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_logit_rules(params: SamplingParams) -> None:
+    max_tokens = params.max_tokens
+    _check_int("min_tokens", params.min_tokens, 0, max_tokens, f"in [0, max_tokens={max_tokens}]")
+    allowed = params.allowed_token_ids
+    if allowed is not None and (
+        isinstance(allowed, str) or not allowed or not all(_is_token_id(t) for t in allowed)
+    ):
+        raise ValueError(
+            f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got {allowed!r}"
+        )
+    words = params.bad_words_token_ids
+    if words is not None and not all(
+        isinstance(w, Sequence) and w and all(_is_token_id(t) for t in w) for w in words
+    ):
+        raise ValueError(f"bad_words_token_ids must be a list of non-empty token id lists, got {words!r}")
+    bias = params.logit_bias
+    if bias is not None and not (
+        isinstance(bias, dict)
+        and all(_is_token_id(t) for t in bias)
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in bias.values())
+        and all(math.isfinite(v) for v in bias.values())
+    ):
+        raise ValueError(f"logit_bias must map token ids (integers >= 0) to finite numbers, got {bias!r}")
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...]:

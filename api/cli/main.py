@@ -11,7 +11,9 @@ needed), applying migrations first. Help texts are plain text (no Rich markup), 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -20,6 +22,7 @@ import typer
 from api.cli import remote as remote_cli
 from api.cli.options import DataDirOpt, DbOpt, ModelOpt, RegistryOpt, setup_logging
 from api.cli.serve import serve
+from api.cli.vllm_flags import VllmFlagError, rewrite_vllm_argv
 from api.settings import Settings, load_settings
 
 _PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}  # Rich markup would eat "[default: ...]"
@@ -166,4 +169,12 @@ def main() -> None:
     # work, or under a CPU quota, the spinners take the time slice the one descheduled straggler needs, and
     # each of a step's many small regions waits on it. A user's own OMP_WAIT_POLICY wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if sys.argv[1:2] == ["--version"] or (sys.argv[1:2] == ["serve"] and "--version" in sys.argv):
+        typer.echo(f"loraserve {importlib.metadata.version('loraserve')}")  # as `vllm --version`
+        return
+    try:
+        sys.argv[1:] = rewrite_vllm_argv(sys.argv[1:])  # `vllm serve MODEL --lora-modules ...`
+    except VllmFlagError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from None
     app()

@@ -158,6 +158,34 @@ def serve(
             "fleet needs: a PostgreSQL db, an s3:// registry, LORASERVE_ADMIN_KEY) [default: 1, no Ray]",
         ),
     ] = 1,
+    lora_modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--lora-module",
+            help="name=path: a PEFT adapter registered at start for --tenant (vLLM's `--lora-modules a=DIR "
+            "b=DIR` is accepted too) [default: none]",
+        ),
+    ] = None,
+    static_api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            help="vLLM's --api-key: a static key that acts as a key of --tenant (single-tenant use) "
+            "[default: only issued keys]",
+        ),
+    ] = None,
+    static_tenant: Annotated[
+        str | None,
+        typer.Option("--tenant", help="the tenant of --lora-module and --api-key [default: demo]"),
+    ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(help="a Jinja chat template, or a file holding one [default: the checkpoint's]"),
+    ] = None,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(help="tool-call syntax: hermes | mistral | llama3_json [default: from the template]"),
+    ] = None,
     ray: Annotated[
         bool,
         typer.Option(
@@ -188,7 +216,7 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from None
     from api.app import run_server
-    from api.bootstrap import banner, build_state
+    from api.bootstrap import StartError, banner, build_state
 
     try:
         source = settings.model_source
@@ -203,7 +231,7 @@ def serve(
     os.umask(0o077)  # whatever the server writes is private to its user (api/tenancy/keyfiles.py)
     try:
         state = build_state(settings)
-    except FleetStartError as exc:  # e.g. the shared database is not migrated
+    except (FleetStartError, StartError) as exc:  # e.g. an unsupported checkpoint: one line, no traceback
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(banner(state))

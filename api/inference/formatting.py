@@ -93,9 +93,10 @@ def _top(entries: dict[int, float], num_top: int) -> list[tuple[int, float]]:
 class LogprobFormatter:
     """Token strings and bytes via the tokenizer, cached per id (the same ids recur across steps)."""
 
-    def __init__(self, tokenizer: Any, num_top: int) -> None:
+    def __init__(self, tokenizer: Any, num_top: int, *, as_token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
         self.num_top = num_top
+        self.as_token_ids = as_token_ids  # vLLM's return_tokens_as_token_ids: "token_id:N" strings
         self._is_byte_level = _is_byte_level(tokenizer)
         self._text: dict[int, tuple[str, str, bytes]] = {}  # id -> (token string, decoded text, bytes)
 
@@ -103,7 +104,8 @@ class LogprobFormatter:
         if token_id not in self._text:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             raw = token_bytes(self.tokenizer, token_id, self._is_byte_level)
-            self._text[token_id] = (_token_text(text, raw), text, raw)
+            token = f"token_id:{token_id}" if self.as_token_ids else _token_text(text, raw)
+            self._text[token_id] = (token, text, raw)
         return self._text[token_id]
 
     def token(self, token_id: int) -> str:

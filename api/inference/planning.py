@@ -18,6 +18,7 @@ from api.context import Caller, RequestContext, RequestKind, new_request_id
 from api.errors import APIError, model_not_found
 from api.inference.adapter_fetch import AdapterFetch, StoreUnreachable, adapter_unavailable
 from api.inference.limits import check_fan_out_and_stops, check_logprob_entries
+from api.inference.logit_fields import logit_rule_options, refuse_beam_search, truncate_prompt
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from api.inference.provenance import request_provenance
 from api.inference.sampling import (
@@ -52,6 +53,7 @@ class GenerationPlan:
     include_usage: bool
     num_top_logprobs: int | None  # None = no logprobs asked
     tools: ToolPlan | None = None  # chat with `tools`: how to parse the output (api/inference/tools.py)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
     is_started: bool = False  # running began: from then on it reports every engine request's end
 
 
@@ -76,6 +78,7 @@ def plan_generation(
     kind: RequestKind,
 ) -> GenerationPlan:
     include_usage = check_stream_options(body)
+    refuse_beam_search(body)
     is_chat = isinstance(body, ChatCompletionRequest)
     num_prompts = len(completion_prompts(body)) if isinstance(body, CompletionRequest) else 1
     check_fan_out_and_stops(body, num_prompts=num_prompts, limits=inference.limits)
@@ -83,10 +86,11 @@ def plan_generation(
     adapter = resolve_model(model_name=inference.model_name, session=session, caller=caller, model=body.model)
     tools = None
     if isinstance(body, ChatCompletionRequest):
-        tools = plan_tools(body, engine.tokenizer)
+        tools = plan_tools(body, engine.tokenizer, override=inference.tool_call_parser)
         prompts = [encode_chat_prompt(engine.tokenizer, body, tools, engine.max_model_len)]
     else:
         prompts = encode_completion_prompts(engine, body)
+    prompts = [truncate_prompt(p, body, engine.max_model_len) for p in prompts]
     grammar = request_grammar(engine, body, tools)  # compiled here, in this worker thread
     ctx = RequestContext(
         request_id=new_request_id(kind),
@@ -135,7 +139,9 @@ def plan_generation(
         limits=inference.limits,
         param="top_logprobs" if is_chat else "logprobs",
     )
-    return GenerationPlan(ctx, requests, bool(body.stream), include_usage, top, tools)
+    plan = GenerationPlan(ctx, requests, bool(body.stream), include_usage, top, tools)
+    plan.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+    return plan
 
 
 def _engine_requests(
@@ -153,6 +159,7 @@ def _engine_requests(
 ) -> list[EngineRequest]:
     """One engine request per choice, each validated by the engine (400 when it would refuse it)."""
     defaults = generation_defaults(engine.model_dir)
+    rules = logit_rule_options(body, engine.tokenizer, engine.vocab_size)
     requests = []
     for p, prompt_ids in enumerate(prompts):
         for j in range(ctx.n):
@@ -166,6 +173,7 @@ def _engine_requests(
                 keep_special_tokens=tools is not None and tools.keeps_special_tokens,
                 seed=seed,
                 deterministic=deterministic,
+                rules=rules,
             )
             request = EngineRequest(
                 request_id=ctx.engine_request_id(p * ctx.n + j),

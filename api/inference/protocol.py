@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI endpoints (openai/openai-openapi `CreateCompletionRequest`,
 `CreateChatCompletionRequest`) plus vLLM's sampling extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`, `chat_template_kwargs`) and our `deterministic` (batch-invariant,
+`include_stop_str_in_output`, `chat_template_kwargs`, `min_tokens`, `allowed_token_ids`, `bad_words`,
+`truncate_prompt_tokens`, `return_tokens_as_token_ids`; OpenAI's `logit_bias`: api/inference/logit_fields.py)
+and our `deterministic` (batch-invariant,
 api/inference/sampling.py).
 
 Unknown fields are refused (`extra="forbid"` -> 400 "Unrecognized request argument supplied: x"),
@@ -88,18 +90,26 @@ class _SamplingFields(_Strict):
     # vLLM's priority (lower = more urgent); default and most urgent allowed: the tenant's
     # (api/tenancy/priority.py)
     priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True)
-    # OpenAI fields refused unless they have their no-op value
+    # OpenAI's logit_bias and vLLM's token-level fields (api/inference/logit_fields.py)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's structured output fields (api/inference/guided.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    use_beam_search: bool | None = None  # refused when true: beam search is not served
+    length_penalty: float | None = None  # beam search only: refused unless 1.0
     # Ours: constrained JSON (response_format, forced tool calls) may have whitespace between tokens;
     # by default it is compact (api/inference/structured_outputs.py).
     allow_json_whitespace: StrictBool | None = None
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise _unsupported("logit_bias")
-        return value
 
 
 class CompletionRequest(_SamplingFields):

@@ -113,7 +113,7 @@ def _is_adapter_unreachable(
 def response_body(*, tokenizer: Any, plan: GenerationPlan, finals: list[RequestOutput]) -> dict[str, Any]:
     """The JSON answer of a non-streaming request from its final outputs in choice order."""
     ctx = plan.ctx
-    logprobs = fmt.LogprobFormatter(tokenizer, plan.num_top_logprobs or 0)
+    logprobs = fmt.LogprobFormatter(tokenizer, plan.num_top_logprobs or 0, as_token_ids=plan.tokens_as_ids)
     choices = []
     for index, out in enumerate(finals):
         lp = None
@@ -152,7 +152,7 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     """The SSE events of a streaming request from `outputs` (the running plan's (choice, output) pairs)."""
     ctx = plan.ctx
-    logprobs = fmt.LogprobFormatter(tokenizer, plan.num_top_logprobs or 0)
+    logprobs = fmt.LogprobFormatter(tokenizer, plan.num_top_logprobs or 0, as_token_ids=plan.tokens_as_ids)
     offsets = [0] * len(plan.requests)
     finals: dict[int, RequestOutput] = {}
     parsers = [plan.tools.parser() for _ in plan.requests] if plan.tools and plan.tools.parses else None

@@ -111,7 +111,7 @@ def encode_completion_prompts(engine: Any, body: CompletionRequest) -> list[list
     if not items:
         raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     for item in items:  # all before any is encoded
-        if isinstance(item, str):
+        if isinstance(item, str) and body.truncate_prompt_tokens is None:  # a truncated prompt may be long
             refuse_unfittable_text(engine.tokenizer, item, engine.max_model_len, "prompt")
     encoded = []
     for item in items:
@@ -130,14 +130,24 @@ def encode_chat_prompt(
 ) -> list[int]:
     """The rendered chat; with a tool plan, `tools` and tool turns go through the template too. The
     template writes BOS itself: nothing is added."""
-    messages = template_messages(body, tools)
+    messages = developer_as_system(template_messages(body, tools), tokenizer)
     kwargs = {"tools": template_tools(tools)} if tools is not None else {}
     try:
         text = render_chat(tokenizer, messages, variables=body.chat_template_kwargs, **kwargs)
     except ValueError as exc:
         raise template_error(exc, body.chat_template_kwargs) from None
-    refuse_unfittable_text(tokenizer, text, max_model_len, "messages")
+    if body.truncate_prompt_tokens is None:  # a truncated prompt may be long
+        refuse_unfittable_text(tokenizer, text, max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def developer_as_system(messages: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
+    """OpenAI's `developer` role renders as `system` when the chat template names no developer role, as
+    OpenAI and vLLM do."""
+    template = getattr(tokenizer, "chat_template", None)
+    if "developer" in (template if isinstance(template, str) else json.dumps(template)):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 def template_error(exc: ValueError, variables: dict[str, Any] | None) -> APIError:
@@ -223,6 +233,7 @@ def sampling_params(
     keep_special_tokens: bool = False,
     seed: int | None = None,
     deterministic: bool = False,
+    rules: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The engine's parameters for choice `index` of a prompt of `num_prompt` tokens.
 
@@ -233,7 +244,9 @@ def sampling_params(
 
     `constraint`: this choice's own grammar matcher (api/inference/structured_outputs.py);
     `keep_special_tokens`:
-    the text keeps special tokens (a tool-call marker that is one), whatever the request asked."""
+    the text keeps special tokens (a tool-call marker that is one), whatever the request asked.
+
+    `rules`: the request's logit rules (api/inference/logit_fields.py: `logit_rule_options`)."""
     options: dict[str, Any] = {
         "max_tokens": _max_tokens(body, num_prompt, max_model_len),
         "temperature": body.temperature,
@@ -252,6 +265,7 @@ def sampling_params(
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "constraint": constraint,
         "deterministic": deterministic or bool(body.deterministic),
+        **(rules or {}),
     }
     for key, value in (defaults or {}).items():
         if options.get(key) is None:

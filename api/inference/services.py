@@ -34,3 +34,4 @@ class Inference:
     inflight: InFlight  # the engine requests now running; reports each request's end
     plan_gate: PlanGate  # per-tenant bound on requests being planned at once
     adapter_fetch: AdapterFetch | None  # fetches an adapter's files before admission
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser: the tool syntax (None: the template's)

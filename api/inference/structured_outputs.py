@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import APIError
+from api.inference.guided import compile_guided, guided_constraint
 from api.inference.tools import ToolPlan, forced_call_grammar
 from base_engine.constraints import CompiledGrammar, GrammarCompiler, GrammarError
 
@@ -109,6 +110,13 @@ def request_grammar(engine: Any, body: Any, tools: ToolPlan | None) -> CompiledG
     forced = None
     if tools is not None:
         forced = forced_call_grammar(tools, engine.tokenizer, whitespace=whitespace)
+    guided = guided_constraint(body)  # vLLM's structured_outputs / guided_* (api/inference/guided.py)
+    if guided is not None:
+        kind, value, param, own_whitespace = guided
+        if fmt.type != "text" or forced is not None:
+            raise _invalid(f"`{param}` cannot be combined with `response_format` or forced tool calls", param)
+        space = whitespace if own_whitespace is None else own_whitespace
+        return compile_guided(grammar_compiler(engine), kind, value, param, whitespace=space)
     if fmt.type != "text" and tools is not None and tools.parses:
         raise _invalid(
             "`response_format` cannot be combined with `tools` unless `tool_choice` is 'none'",

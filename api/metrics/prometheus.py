@@ -32,6 +32,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from api.context import RequestContext
+from api.metrics.iteration_tokens import IterationTokens
 from api.metrics.residency import ResidencyMetrics
 from api.metrics.series import (
     LoraserveSeries,
@@ -89,6 +90,7 @@ class Metrics:
         self.replica: str | None = None  # fleet mode: the `replica` label on every series
         self.vllm = VllmSeries(self.registry, model_name, max_model_len)
         self.own = LoraserveSeries(self.registry, self.tenant_registry)
+        self.iteration_tokens = IterationTokens(self.registry, model_name)  # api/metrics/iteration_tokens.py
         self.residency = ResidencyMetrics(ResidencySeries(self.registry, model_name), model_name)
 
     # ---- updates ------------------------------------------------------------------------------
@@ -167,6 +169,7 @@ class Metrics:
             v.preemptions.update(stats.num_preemptions)
             v.prefix_queries.update(stats.num_prefix_queries)
             v.prefix_hits.update(stats.num_prefix_hits)
+            self.iteration_tokens.update(stats.iteration_token_counts, stats.iteration_tokens_sum)
             self._update_adapters(stats.adapters, disk_count, disk_bytes)
             self.recent.sample(stats)
 

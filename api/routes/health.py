@@ -9,9 +9,10 @@ a saturated worker pool.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
 from api.deps import StateDep
@@ -27,6 +28,21 @@ async def health(state: StateDep) -> dict[str, Any] | JSONResponse:
     if not state.engine.is_healthy:
         return APIError(503, "engine is not healthy", code="engine_unhealthy").response()
     return {"status": "ok"}
+
+
+@router.api_route("/ping", methods=["GET", "POST"], response_model=None, responses=responses())
+async def ping(state: StateDep) -> Response:
+    """vLLM's (and SageMaker's) liveness probe: 200 with an empty body, 503 as /health when the engine
+    is not healthy."""
+    if not state.engine.is_healthy:
+        return APIError(503, "engine is not healthy", code="engine_unhealthy").response()
+    return Response(status_code=200)
+
+
+@router.get("/version", responses=responses())
+async def version() -> dict[str, str]:
+    """The server's version, as vLLM's `/version`."""
+    return {"version": importlib.metadata.version("loraserve")}
 
 
 @router.get("/ready", response_model=None, responses=responses())

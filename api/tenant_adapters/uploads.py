@@ -38,6 +38,8 @@ NAME_FIELD = "name"
 FILES_FIELD = "files"
 _MAX_NAME_BYTES = 256
 _ALLOWED = (CONFIG_FILE, WEIGHTS_FILE)
+# Written by PEFT's save_pretrained beside the adapter: accepted and dropped (not stored), as the CLI does.
+_IGNORED = ("README.md",)
 MAX_CONFIG_BYTES = 1 << 20  # what adapters/files.py reads of adapter_config.json at most
 _FORM_OVERHEAD_BYTES = 64 << 10  # boundaries, part headers and the `name` field
 _WRITE_BATCH_BYTES = 1 << 20  # body handed to the parser (and the disk) at a time
@@ -130,6 +132,8 @@ class _AdapterForm:
         fname = filename.decode("utf-8", "replace")
         if fname.endswith(".bin"):
             raise _bad(f"file {fname!r} refused: {PICKLE_ADVICE}", param=FILES_FIELD)
+        if fname in _IGNORED:
+            return  # its data is read (and counted against the body limit) but written nowhere
         if fname not in _ALLOWED:
             raise _bad(f"unexpected file {fname!r}; expected exactly {_ALLOWED}", param=FILES_FIELD)
         if fname in self.files:

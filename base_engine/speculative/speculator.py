@@ -63,6 +63,7 @@ class Speculator:
             or not seq.output_token_ids
             or seq.deterministic
             or params.constraint is not None
+            or params.has_logit_rules  # min_tokens / bad words depend on the position: no drafts
             or not getattr(params, "speculative", True)
         ):
             return 0

@@ -177,7 +177,7 @@ def test_models_lists_base_first(client: openai.OpenAI) -> None:
     [
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"modalities": ["audio"]}, "modalities"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"logit_bias": {"one": 5}}, "logit_bias"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"top_logprobs": 2}, "top_logprobs"),
