@@ -52,6 +52,9 @@ from adapters.types import (
     BaseModelShapes,
 )
 
+# MoE bases the engine serves without adapters (base_engine/model/moe.py).
+MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral")
+
 
 @dataclass(frozen=True, slots=True)
 class LoraPair:
@@ -102,6 +105,12 @@ def parse_adapter(
     max_lora_rank: int | None = None,
 ) -> LoraAdapter:
     """Check `files` against `base` and return the factors as `dtype` (see module docstring)."""
+    if base.model_type in MOE_MODEL_TYPES:
+        raise AdapterFormatError(
+            f"adapters on the mixture-of-experts base model_type={base.model_type!r} are not served yet "
+            "(LoRA on experts and on attention of MoE models is not implemented); the base model is served "
+            f"without adapters, and adapters are served on {SUPPORTED_MODEL_TYPES}"
+        )
     if base.model_type not in SUPPORTED_MODEL_TYPES:
         raise AdapterFormatError(
             f"base model_type={base.model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}"
