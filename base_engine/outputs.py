@@ -16,6 +16,7 @@ class RequestMetrics:
     ttft_s: float = 0.0  # arrival -> first token
     e2e_s: float = 0.0  # arrival -> finished
     inter_token_s: list[float] = field(default_factory=list)
+    priority: int = 0  # its priority class as submitted (lower = more urgent; base_engine/priority.py)
 
 
 @dataclass(slots=True)

@@ -51,6 +51,7 @@ def finish_output(seq: Sequence, detok: Detokenizer) -> RequestOutput:
         ttft_s=first_token - times.arrival,
         e2e_s=times.finished - times.arrival,
         inter_token_s=list(times.inter_token),
+        priority=seq.priority,
     )
     new_text = detok.take_delta(is_final=True)  # first: it completes `text` with any trailing bytes
     new_token_ids = seq.output_token_ids[-1:] if seq.status != SequenceStatus.FINISHED_ABORTED else []

@@ -113,6 +113,7 @@ class Metrics:
         if m is not None:  # None: failed before the engine took it
             v.e2e.observe(m.e2e_s)
             v.queue_time.observe(m.queue_time_s)
+            own.queue_time_by_priority.labels(str(m.priority)).observe(m.queue_time_s)
             v.inference_time.observe(max(0.0, m.e2e_s - m.queue_time_s))
             if out.num_completion_tokens > 0:
                 v.ttft.observe(m.ttft_s)

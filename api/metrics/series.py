@@ -151,6 +151,10 @@ class VllmSeries:
         )
 
 
+# Queue time per priority: fine below a second, where an urgent class under load should stay.
+QUEUE_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
 class LoraserveSeries:
     """Our own series: the adapter cache per tier in `registry`, per-tenant counters in
     `tenant_registry` (rendered only on request: they name tenants)."""
@@ -200,6 +204,13 @@ class LoraserveSeries:
         )
         self.tenant_generation_tokens = c(
             "loraserve_tenant_generation_tokens", "Generated tokens per tenant.", ("tenant",), tenants
+        )
+        self.queue_time_by_priority = Histogram(
+            "loraserve_request_queue_time_seconds",
+            "Time spent waiting before first scheduled, per priority class (lower = more urgent).",
+            ["priority"],
+            buckets=QUEUE_TIME_BUCKETS,
+            registry=r,
         )
 
 

@@ -12,5 +12,5 @@ REQUIRED_METRIC_NAMES = [
     "loraserve_adapter_cache_evictions", "loraserve_tenant_requests", "loraserve_tenant_prompt_tokens",
     "loraserve_tenant_generation_tokens",
     "vllm:lora_adapter_loaded", "vllm:num_gpu_loaded_lora_adapters", "vllm:num_cpu_loaded_lora_adapters",
-    "vllm:max_gpu_lora_adapters", "vllm:lora_adapter_load_seconds",
+    "vllm:max_gpu_lora_adapters", "vllm:lora_adapter_load_seconds", "loraserve_request_queue_time_seconds",
 ]  # fmt: skip

@@ -207,3 +207,21 @@ def test_recent_samples_match_a_numpy_oracle() -> None:
     cols = metrics.timeseries()["series"]
     assert isinstance(cols, dict)
     assert len(cols["ttft_p50"]) == 10 and cols["ttft_p50"][-1] is None
+
+
+def test_queue_time_is_split_by_priority_class() -> None:
+    metrics = Metrics(model_name="m")
+    urgent, background = (
+        output("u", prompt=3, completion=2, queue=0.02),
+        output("b", prompt=3, completion=2, queue=7.0),
+    )
+    urgent.metrics.priority, background.metrics.priority = -1, 5  # type: ignore[union-attr]
+    for out in (urgent, background):
+        metrics.observe_finished(out, tenant="acme", adapter=None)
+    name = "loraserve_request_queue_time_seconds"
+    assert value(metrics, f"{name}_count", priority="-1") == 1
+    assert value(metrics, f"{name}_sum", priority="-1") == pytest.approx(0.02)
+    assert value(metrics, f"{name}_bucket", priority="-1", le="0.025") == 1
+    assert value(metrics, f"{name}_sum", priority="5") == pytest.approx(7.0)
+    assert value(metrics, f"{name}_bucket", priority="5", le="5.0") == 0
+    assert value(metrics, f"{name}_bucket", priority="5", le="10.0") == 1
