@@ -133,9 +133,15 @@ class Scheduler:
                 self.policy.on_not_admitted(seq)  # its adapter slot too: a waiting request holds nothing
                 out.yielded.append(seq)
         # 1. Running requests, oldest first: decodes and the rest of chunked prefills.
-        i = 0
+        i, urgent_pass = 0, levels is not None  # at most one early pass for more urgent waiting work
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if urgent_pass and not out.preempted and self._more_urgent_waits(seq, levels):
+                urgent_pass = False
+                i, budget = self._admit_more_urgent(i, budget, out, shares, levels)
+                if i >= len(self.running) or budget <= 0:
+                    break
+                seq = self.running[i]
             if not seq.is_long_rope and self._needs_long_rope(seq):
                 self._restart_long_rope(seq)
             drafts = seq.draft_token_ids[: max(0, budget - seq.num_uncomputed_tokens)]
@@ -193,17 +199,45 @@ class Scheduler:
         self.block_manager.allocate(seq, num_new)
         return True
 
+    def _more_urgent_waits(self, seq: Sequence, levels: Levels) -> bool:
+        return levels is not None and any(levels[w] < levels[seq] for w in self.waiting)
+
+    def _admit_more_urgent(
+        self,
+        i: int,
+        budget: int,
+        out: SchedulerOutput,
+        shares: dict[Tenant, int] | None,
+        levels: Levels,
+    ) -> tuple[int, int]:
+        """Running request i is of a less urgent level than a waiting one: admit the waiting requests of
+        levels more urgent than it before it and the rest of its level take the step's budget (levels
+        are served strictly: an urgent prefill does not wait behind a less urgent chunk or decode).
+        They go into `running` at i, kept sorted by level; returns (index of request i now, budget)."""
+        assert levels is not None
+        before = set(map(id, self.running))
+        budget = self._admit_waiting(budget, out, shares, levels, below=levels[self.running[i]])
+        # Preemptions for the admitted ones take victims from running[i:] only (less urgent levels).
+        admitted = [s for s in self.running if id(s) not in before]
+        rest = [s for s in self.running if id(s) in before]
+        self.running[:] = rest[:i] + admitted + rest[i:]
+        return i + len(admitted), budget
+
     def _admit_waiting(
         self,
         budget: int,
         out: SchedulerOutput,
         shares: dict[Tenant, int] | None,
         levels: Levels,
+        below: int | None = None,
     ) -> int:
+        """Admit waiting requests in priority then policy order (only levels under `below` if given)."""
         num_running = Counter(seq.tenant_id for seq in self.running) if shares is not None else Counter()
         for seq in self.priority.order(self.policy.order(self.waiting, self.running), levels):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if below is not None and levels is not None and levels[seq] >= below:
+                break  # the order is most urgent level first: no more urgent one behind
             if shares is not None and num_running[seq.tenant_id] >= shares.get(seq.tenant_id, 0):
                 continue  # its tenant holds its share while others wait
             if not self.policy.can_admit(seq, self.running):
