@@ -27,7 +27,7 @@ from base_engine.model.int8 import quantize_int8
 from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
 from base_engine.outputs import ITERATION_TOKEN_BUCKETS, NON_FINITE, EngineStats, RequestOutput
-from base_engine.postprocess import finish_output, step_output, stop_reason
+from base_engine.postprocess import check_stop, finish_output, step_output
 from base_engine.priority import PriorityPolicy
 from base_engine.runner.cuda_graphs import DecodeGraphs
 from base_engine.runner.device import check_device, resolve_dtype
@@ -376,9 +376,10 @@ class LLMEngine:
             seq.output_logprobs.append(logprobs)
         detok = self.detokenizers[seq.request_id]
         matched_stop = detok.update([token_id])
-        reason = stop_reason(seq, token_id, matched_stop, self.eos_token_ids, self.max_model_len)
-        if reason is not None:
-            return self._finish(seq, reason)
+        stop = check_stop(seq, token_id, matched_stop, self.eos_token_ids, self.max_model_len)
+        if stop is not None:
+            seq.stop_reason = stop.reason
+            return self._finish(seq, stop.status)
         return step_output(seq, detok, token_id, logprobs)
 
     def _overflow(self, seq: Sequence) -> RequestOutput:

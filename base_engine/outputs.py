@@ -29,6 +29,7 @@ class RequestOutput:
     new_text: str = ""  # text safe to stream since the previous output (never half a UTF-8 char)
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it, else None
     logprobs: list[dict[int, float]] | None = None  # per generated token, when asked
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None

@@ -64,6 +64,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this sequence's full blocks
     seed: int | None = None  # counter-based sampling seed (base_engine/seeded_uniform.py); None: shared
+    stop_reason: str | int | None = None  # RequestOutput.stop_reason, set when it finishes
     error: str | None = None
     error_kind: str | None = None  # RequestOutput.error_kind
     times: SequenceTimes = field(default_factory=SequenceTimes)

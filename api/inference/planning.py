@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from api.context import Caller, RequestContext, RequestKind, new_request_id
 from api.errors import APIError, model_not_found
 from api.inference.adapter_fetch import AdapterFetch, StoreUnreachable, adapter_unavailable
+from api.inference.echo import echo_texts
 from api.inference.limits import check_fan_out_and_stops, check_logprob_entries
 from api.inference.logit_fields import logit_rule_options, refuse_beam_search, truncate_prompt
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest
@@ -54,6 +55,8 @@ class GenerationPlan:
     num_top_logprobs: int | None  # None = no logprobs asked
     tools: ToolPlan | None = None  # chat with `tools`: how to parse the output (api/inference/tools.py)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    echo: list[str] | None = None  # per prompt, the text its choices start with (api/inference/echo.py)
     is_started: bool = False  # running began: from then on it reports every engine request's end
 
 
@@ -84,13 +87,15 @@ def plan_generation(
     check_fan_out_and_stops(body, num_prompts=num_prompts, limits=inference.limits)
     engine = inference.engine
     adapter = resolve_model(model_name=inference.model_name, session=session, caller=caller, model=body.model)
-    tools = None
+    tools, echo = None, None
     if isinstance(body, ChatCompletionRequest):
         tools = plan_tools(body, engine.tokenizer, override=inference.tool_call_parser)
-        prompts = [encode_chat_prompt(engine.tokenizer, body, tools, engine.max_model_len)]
+        encoded = [encode_chat_prompt(engine.tokenizer, body, tools, engine.max_model_len)]
     else:
-        prompts = encode_completion_prompts(engine, body)
-    prompts = [truncate_prompt(p, body, engine.max_model_len) for p in prompts]
+        encoded = encode_completion_prompts(engine, body)
+    prompts = [truncate_prompt(p, body, engine.max_model_len) for p in encoded]
+    if isinstance(body, CompletionRequest):
+        echo = echo_texts(body, encoded, prompts, engine.tokenizer)
     grammar = request_grammar(engine, body, tools)  # compiled here, in this worker thread
     ctx = RequestContext(
         request_id=new_request_id(kind),
@@ -141,6 +146,9 @@ def plan_generation(
     )
     plan = GenerationPlan(ctx, requests, bool(body.stream), include_usage, top, tools)
     plan.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+    options = body.stream_options
+    plan.continuous_usage = bool(include_usage and options and options.continuous_usage_stats)
+    plan.echo = echo
     return plan
 
 

@@ -53,10 +53,10 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far on every chunk (with include_usage)
     include_obfuscation: bool | None = None
 
-    @field_validator("continuous_usage_stats", "include_obfuscation")
+    @field_validator("include_obfuscation")
     @classmethod
     def _off(cls, value: bool | None, info: Any) -> bool | None:
         if value:
@@ -115,12 +115,12 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt leads each choice's text (api/inference/echo.py)
     best_of: int | None = None
     suffix: str | None = None
     response_format: dict[str, Any] | None = None  # as on chat (a vLLM extension here)
 
-    @field_validator("echo", "best_of", "suffix")
+    @field_validator("best_of", "suffix")
     @classmethod
     def _refused(cls, value: Any, info: Any) -> Any:
         if value not in (None, False):

@@ -125,9 +125,10 @@ def response_body(*, tokenizer: Any, plan: GenerationPlan, finals: list[RequestO
         if ctx.kind == "chat":
             content, calls = tool_fields(plan.tools, out.text)
             reason = tool_finish_reason(plan.tools, out.finish_reason, len(calls or ()))
-            choices.append(fmt.chat_choice(index, content, reason, lp, calls))
+            choices.append(fmt.chat_choice(index, content, reason, lp, calls, out.stop_reason))
         else:
-            choices.append(fmt.completion_choice(index, out.text, out.finish_reason, lp))
+            text = plan.echo[index // ctx.n] + out.text if plan.echo else out.text
+            choices.append(fmt.completion_choice(index, text, out.finish_reason, lp, out.stop_reason))
     return fmt.response_body(ctx, choices, compute_usage(finals, n=ctx.n))
 
 
@@ -156,13 +157,18 @@ async def stream_events(
     offsets = [0] * len(plan.requests)
     finals: dict[int, RequestOutput] = {}
     parsers = [plan.tools.parser() for _ in plan.requests] if plan.tools and plan.tools.parses else None
-    if ctx.kind == "chat":
-        for index in range(len(plan.requests)):
-            choice = fmt.chunk_choice(ctx, index, "", None, None, role=True)
-            yield fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage))
     error: APIError | None = None
     sent = [0] * len(plan.requests)  # completion tokens handed to the client, per choice
     cached: dict[int, int] = {}
+    echoed: set[int] = set()  # choices whose prompt was streamed (echo)
+
+    def chunk(choice: dict[str, Any]) -> str:
+        usage = _sent_usage(ctx, sent, cached) if plan.continuous_usage else None
+        return fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage, usage=usage))
+
+    if ctx.kind == "chat":
+        for index in range(len(plan.requests)):
+            yield chunk(fmt.chunk_choice(ctx, index, "", None, None, role=True))
     try:
         async for index, out in outputs:
             if out.finished:
@@ -184,11 +190,17 @@ async def stream_events(
                 parser = parsers[index]
                 text, calls = parser.feed(out.new_text, final=out.finished)
                 reason = tool_finish_reason(plan.tools, reason, parser.num_calls)
-            if text or calls or out.finished or lp is not None:
-                choice = fmt.chunk_choice(ctx, index, text, reason, lp, tool_calls=calls)
-                yield fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage))
-            sent[index] += len(out.new_token_ids)
+            if plan.echo and index not in echoed:  # the prompt leads the choice's first chunk
+                text = plan.echo[index // ctx.n] + text
+                echoed.add(index)
+            sent[index] += len(out.new_token_ids)  # counted in this chunk's usage (continuous_usage)
             cached[index] = out.num_cached_tokens
+            if text or calls or out.finished or lp is not None:
+                yield chunk(
+                    fmt.chunk_choice(
+                        ctx, index, text, reason, lp, tool_calls=calls, stop_reason=out.stop_reason
+                    )
+                )
             meter.progress(ctx, _sent_usage(ctx, sent, cached))  # after the yield: the client has them
     except RequestTimeout:
         error = error or timeout_error(timeout_s)

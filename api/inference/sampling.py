@@ -219,7 +219,16 @@ def check_stream_options(body: CompletionRequest | ChatCompletionRequest) -> boo
             param="stream_options",
             code="invalid_value",
         )
-    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats and not include_usage:
+        # vLLM ignores it then; here it would change nothing, so it is refused rather than ignored.
+        raise APIError(
+            400,
+            "`stream_options.continuous_usage_stats` needs `stream_options.include_usage: true`.",
+            param="stream_options.continuous_usage_stats",
+            code="invalid_value",
+        )
+    return include_usage
 
 
 def sampling_params(
