@@ -29,6 +29,7 @@ from base_engine.model.weights import load_model
 from base_engine.outputs import ITERATION_TOKEN_BUCKETS, NON_FINITE, EngineStats, RequestOutput
 from base_engine.postprocess import check_stop, finish_output, step_output
 from base_engine.priority import PriorityPolicy
+from base_engine.prompt_logprobs import record as record_prompt_logprobs
 from base_engine.runner.cuda_graphs import DecodeGraphs
 from base_engine.runner.device import check_device, resolve_dtype
 from base_engine.runner.host import set_intra_op_threads
@@ -285,6 +286,8 @@ class LLMEngine:
         for item, ok in zip(batch.order, is_finite, strict=True):
             if not ok:
                 outputs.append(self._fail_non_finite(item.seq))
+        if batch.prompt is not None and result.prompt is not None:  # before the first token's output
+            record_prompt_logprobs(batch.prompt, result.prompt)
         for item in sched.scheduled:
             if item.seq.is_finished or item.drafts:
                 continue  # failed above (freed, never published), or verified below

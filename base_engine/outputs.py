@@ -19,6 +19,14 @@ class RequestMetrics:
     priority: int = 0  # its priority class as submitted (lower = more urgent; base_engine/priority.py)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptTokenLogprobs:
+    """vLLM's prompt logprobs of one prompt token (base_engine/prompt_logprobs.py)."""
+
+    logprobs: dict[int, float]  # the prompt token's own first, then the top-N alternatives
+    rank: int  # 1-based rank of the prompt token in its distribution (1 + the tokens scored higher)
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -31,6 +39,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it, else None
     logprobs: list[dict[int, float]] | None = None  # per generated token, when asked
+    # Per prompt token (the first None), when asked: on the first token's output and the final one.
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
     error_kind: str | None = None  # NON_FINITE: the request's own values overflowed; None: other causes

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from base_engine.detokenizer import Detokenizer
-from base_engine.outputs import RequestMetrics, RequestOutput
+from base_engine.outputs import PromptTokenLogprobs, RequestMetrics, RequestOutput
 from base_engine.sequence import Sequence, SequenceStatus
 
 
@@ -46,7 +46,13 @@ def step_output(
         new_text=detok.take_delta(),
         new_logprobs=[logprobs] if logprobs is not None else [],
         num_cached_tokens=seq.num_cached_tokens,
+        prompt_logprobs=_prompt_logprobs(seq) if seq.num_output_tokens == 1 else None,
     )
+
+
+def _prompt_logprobs(seq: Sequence) -> list[PromptTokenLogprobs | None] | None:
+    """vLLM's layout: one entry per prompt token, the first None (it has no distribution)."""
+    return None if seq.params.prompt_logprobs is None else [None, *seq.prompt_logprobs]
 
 
 def finish_output(seq: Sequence, detok: Detokenizer) -> RequestOutput:
@@ -75,6 +81,7 @@ def finish_output(seq: Sequence, detok: Detokenizer) -> RequestOutput:
         finish_reason=seq.status.finish_reason,
         stop_reason=seq.stop_reason,
         logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+        prompt_logprobs=_prompt_logprobs(seq),
         num_cached_tokens=seq.num_cached_tokens,
         error=seq.error,
         error_kind=seq.error_kind,

@@ -59,6 +59,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: top-N per prompt token (base_engine/prompt_logprobs.py)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Batch-invariant execution: this request's tokens and logprobs are bitwise the same
@@ -90,6 +91,9 @@ class SamplingParams:
             _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX, f"in [{_SEED_MIN}, {_SEED_MAX}] or None")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None:
+            allowed = f"in [0, {MAX_LOGPROBS}] or None"
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, allowed)
         if self.constraint is not None and not all(
             callable(getattr(self.constraint, m, None)) for m in ("sync", "accept", "fill_mask")
         ):
