@@ -111,6 +111,10 @@ class LogprobFormatter:
     def token(self, token_id: int) -> str:
         return self._lookup(token_id)[0]
 
+    def text(self, token_id: int) -> str:
+        """The token decoded alone (special tokens kept)."""
+        return self._lookup(token_id)[1]
+
     def completion(
         self, token_ids: list[int], logprobs: list[dict[int, float]], text_offset: int = 0
     ) -> dict[str, Any]:

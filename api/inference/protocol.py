@@ -97,6 +97,7 @@ class _SamplingFields(_Strict):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     return_tokens_as_token_ids: bool | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # api/inference/prompt_logprobs.py
     # vLLM's structured output fields (api/inference/guided.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from api.errors import APIError
+from api.inference.prompt_logprobs import engine_prompt_logprobs
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from api.inference.tools import ToolPlan, template_messages, template_tools
 from base_engine.model.token_bound import least_tokens
@@ -270,6 +271,7 @@ def sampling_params(
         "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos,
         "logprobs": _logprobs(body),
+        "prompt_logprobs": engine_prompt_logprobs(body),
         "skip_special_tokens": False if keep_special_tokens else body.skip_special_tokens,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "constraint": constraint,

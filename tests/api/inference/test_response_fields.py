@@ -1,18 +1,21 @@
 """Response fields beside `vllm serve`, through a real server and the official `openai` client:
 `stop_reason` (the stop string or stop token id that ended a choice), `stream_options.continuous_usage_stats`
-(every chunk carries the usage so far, billed once) and `echo` on /v1/completions."""
+(every chunk carries the usage so far, billed once), `echo` on /v1/completions and `prompt_logprobs`
+(with `echo` + `logprobs`: OpenAI's legacy layout), the logprobs against transformers in fp32."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.harness.engine_inputs import random_prompts
-from tests.harness.servers import Server, launch_server, main_server_args
+from tests.harness.servers import Server, bearer, launch_server, main_server_args
 from tests.harness.usage import export
 from tests.harness.wait import wait_for
 
@@ -172,3 +175,82 @@ def test_echo_prepends_the_prompt(client, tiny_llama_dir: Path) -> None:
         extra_body={"truncate_prompt_tokens": 3},
     )  # fmt: skip
     assert truncated.choices[0].text.startswith(tokenizer.decode(ids_prompt[-3:]))
+
+
+# -- prompt_logprobs and echo with logprobs: against transformers' log_softmax over the prompt -----
+
+ATOL = 1e-3  # the engine's logprob tolerance against transformers (tests/base_engine/oracle.py)
+
+
+@pytest.fixture(scope="module")
+def prompt_reference(tiny_llama_dir: Path):
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+    def reference(prompt: list[int]) -> torch.Tensor:
+        """[len(prompt) - 1, vocab]: row p scores prompt token p + 1."""
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
+
+    return reference
+
+
+def _check_vllm_layout(entries: list, prompt: list[int], ref: torch.Tensor, num_top: int) -> None:
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p, row in enumerate(entries[1:]):
+        token = prompt[p + 1]
+        assert next(iter(row)) == str(token)  # the prompt token's own entry first
+        assert abs(row[str(token)]["logprob"] - ref[p, token].item()) <= ATOL
+        assert abs(row[str(token)]["rank"] - (int((ref[p] > ref[p, token]).sum()) + 1)) <= 1  # near-ties
+        assert row[str(token)]["decoded_token"] == f"token_id:{token}"
+        alternatives = [int(t) for t in row if int(t) != token]
+        assert len(alternatives) in (num_top - 1, num_top)
+        kth = ref[p].topk(num_top).values[-1].item()
+        for t in alternatives:
+            assert abs(row[str(t)]["logprob"] - ref[p, t].item()) <= ATOL and ref[p, t].item() >= kth - ATOL
+
+
+def test_prompt_logprobs_match_transformers(client, server, tenant, prompt_reference) -> None:
+    prompt = random_prompts(1, 500, 12, 12, seed=13)[0]
+    extra = {"prompt_logprobs": 3, "return_tokens_as_token_ids": True}
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=2, extra_body=extra)
+    ref = prompt_reference(prompt)
+    for choice in r.choices:
+        _check_vllm_layout(choice.prompt_logprobs, prompt, ref, 3)
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+    rendered = httpx.post(
+        f"{server.base_url}/tokenize", json={"model": MODEL, "messages": messages}, headers=bearer(tenant[1])
+    ).json()["tokens"]  # vLLM's /tokenize: the prompt the chat ran
+    assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens == len(rendered)
+    _check_vllm_layout(chat.prompt_logprobs, rendered, prompt_reference(rendered), 3)
+
+
+def test_prompt_logprobs_with_stream_are_refused_by_name(client) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        _stream_chunks(client, prompt="hi", max_tokens=2, extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_echo_with_logprobs_puts_the_prompt_tokens_first(client, prompt_reference) -> None:
+    prompt = random_prompts(1, 500, 9, 9, seed=14)[0]
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "logprobs": 2}
+    extra = {"return_tokens_as_token_ids": True}
+    plain = client.completions.create(**base, extra_body=extra).choices[0]
+    echo = client.completions.create(**base, echo=True, extra_body=extra).choices[0]
+    lp, ref = echo.logprobs, prompt_reference(prompt)
+    assert lp.tokens == [f"token_id:{t}" for t in prompt] + plain.logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # OpenAI's layout
+    for p in range(1, len(prompt)):
+        assert abs(lp.token_logprobs[p] - ref[p - 1, prompt[p]].item()) <= ATOL
+        assert len(lp.top_logprobs[p]) == 2
+    assert lp.token_logprobs[len(prompt) :] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    echoed = echo.text[: len(echo.text) - len(plain.text)]
+    assert lp.text_offset[len(prompt)] == len(echoed)  # the generated text starts after the prompt's
+    assert lp.text_offset == sorted(lp.text_offset)
+    chunks = _stream_chunks(client, prompt=prompt, max_tokens=4, logprobs=2, echo=True, extra_body=extra)
+    streamed = [
+        t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
+    ]
+    assert streamed == lp.tokens
