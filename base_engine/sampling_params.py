@@ -61,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's: top-N per prompt token (base_engine/prompt_logprobs.py)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's detokenizer option (base_engine/detokenizer.py)
     include_stop_str_in_output: bool = False
     # Batch-invariant execution: this request's tokens and logprobs are bitwise the same
     # whatever else shares its steps. A step that holds such a request runs the fixed-order kernels.

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI endpoints (openai/openai-openapi `CreateCompletionRequest`,
 `CreateChatCompletionRequest`) plus vLLM's sampling extensions (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `spaces_between_special_tokens`,
 `include_stop_str_in_output`, `chat_template_kwargs`, `min_tokens`, `allowed_token_ids`, `bad_words`,
 `truncate_prompt_tokens`, `return_tokens_as_token_ids`; OpenAI's `logit_bias`: api/inference/logit_fields.py)
 and our `deterministic` (batch-invariant,
@@ -84,6 +84,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: StrictBool | None = None  # base_engine/detokenizer.py
     include_stop_str_in_output: bool | None = None
     # Batch-invariant execution: true or false only ("yes", 1 -> 400 naming the field).
     deterministic: StrictBool | None = None

@@ -273,6 +273,7 @@ def sampling_params(
         "logprobs": _logprobs(body),
         "prompt_logprobs": engine_prompt_logprobs(body),
         "skip_special_tokens": False if keep_special_tokens else body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "constraint": constraint,
         "deterministic": deterministic or bool(body.deterministic),

@@ -254,3 +254,25 @@ def test_echo_with_logprobs_puts_the_prompt_tokens_first(client, prompt_referenc
         t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
     ]
     assert streamed == lp.tokens
+
+
+# -- spaces_between_special_tokens (the detokenizer's rule: tests/base_engine/test_special_tokens_text.py) --
+
+
+def test_spaces_between_special_tokens_reaches_the_detokenizer(client, tiny_llama_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    specials = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens]
+    base = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "temperature": 0.0}
+    extra = {"allowed_token_ids": specials, "skip_special_tokens": False, "ignore_eos": True}
+    texts = [
+        client.completions.create(**base, extra_body={**extra, "spaces_between_special_tokens": spaces})
+        .choices[0]
+        .text
+        for spaces in (True, False)
+    ]
+    assert texts[0] == texts[1] and any(
+        t in texts[0] for t in tokenizer.all_special_tokens
+    )  # byte-level: no spaces
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**base, extra_body={"spaces_between_special_tokens": "yes"})
+    assert info.value.body["param"] == "spaces_between_special_tokens"
