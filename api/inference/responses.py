@@ -168,6 +168,33 @@ def _sent_usage(ctx: RequestContext, sent: list[int], cached: dict[int, int]) ->
     )
 
 
+def _new_logprobs(
+    plan: GenerationPlan, logprobs: fmt.LogprobFormatter, out: RequestOutput, text_offset: int
+) -> dict[str, Any] | None:
+    """The logprobs of the tokens an output streams, when asked."""
+    if plan.num_top_logprobs is None or not out.new_logprobs:
+        return None
+    if plan.ctx.kind == "chat":
+        return logprobs.chat(out.new_token_ids, out.new_logprobs)
+    return logprobs.completion(out.new_token_ids, out.new_logprobs, text_offset)
+
+
+def _echoed(
+    plan: GenerationPlan,
+    logprobs: fmt.LogprobFormatter,
+    index: int,
+    out: RequestOutput,
+    text: str,
+    lp: dict[str, Any] | None,
+) -> tuple[str, dict[str, Any] | None]:
+    """A choice's first chunk with `echo`: its prompt first, in the text and (asked) the logprobs."""
+    assert plan.echo is not None
+    echo = plan.echo[index // plan.ctx.n]
+    if plan.num_top_logprobs is not None:
+        lp = echo_logprobs(logprobs, echo, out.prompt_token_ids, out.prompt_logprobs or [], lp)
+    return echo.text + text, lp
+
+
 async def stream_events(
     *,
     tokenizer: Any,
@@ -205,12 +232,7 @@ async def stream_events(
                 if ctx.abort_reason == "shutdown":
                     continue  # the drain aborts every choice: their ends make the usage chunk exact
                 break
-            lp = None
-            if plan.num_top_logprobs is not None and out.new_logprobs:
-                if ctx.kind == "chat":
-                    lp = logprobs.chat(out.new_token_ids, out.new_logprobs)
-                else:
-                    lp = logprobs.completion(out.new_token_ids, out.new_logprobs, offsets[index])
+            lp = _new_logprobs(plan, logprobs, out, offsets[index])
             offsets[index] += len(out.new_text)
             text, reason, calls = out.new_text, out.finish_reason, None
             if parsers is not None:  # tool calls: content and whole calls as they complete
@@ -218,10 +240,7 @@ async def stream_events(
                 text, calls = parser.feed(out.new_text, final=out.finished)
                 reason = tool_finish_reason(plan.tools, reason, parser.num_calls)
             if plan.echo and index not in echoed:  # the prompt leads the choice's first chunk
-                echo = plan.echo[index // ctx.n]
-                text = echo.text + text
-                if plan.num_top_logprobs is not None:
-                    lp = echo_logprobs(logprobs, echo, out.prompt_token_ids, out.prompt_logprobs or [], lp)
+                text, lp = _echoed(plan, logprobs, index, out, text, lp)
                 echoed.add(index)
             sent[index] += len(out.new_token_ids)  # counted in this chunk's usage (continuous_usage)
             cached[index] = out.num_cached_tokens
