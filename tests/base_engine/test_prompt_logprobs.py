@@ -1,6 +1,7 @@
 """vLLM's `prompt_logprobs` against transformers' `log_softmax` over the prompt in fp32: each prompt
-token's logprob and rank, its top-N; the same under chunked prefill, preemption and a warm prefix cache
-(the request skips the cache: base_engine/prompt_logprobs.py)."""
+token's logprob and rank, its top-N; the same under chunked prefill, preemption, paged attention,
+batch-invariant steps and a warm prefix cache (the request skips the cache:
+base_engine/prompt_logprobs.py)."""
 
 from __future__ import annotations
 
@@ -50,20 +51,25 @@ def _check(hf, prompt: list[int], got, num_top: int, label: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("label", "options"),
+    ("label", "options", "request_options"),
     [
-        ("whole prompt", {}),
-        ("chunked by 5", {"max_num_batched_tokens": 5}),
-        ("preempted", {"num_kv_blocks": 24, "max_num_batched_tokens": 64}),
+        ("whole prompt", {}, {}),
+        ("chunked by 5", {"max_num_batched_tokens": 5}, {}),
+        ("preempted", {"num_kv_blocks": 24, "max_num_batched_tokens": 64}, {}),
+        ("paged attention", {"attention": "paged", "max_num_batched_tokens": 16}, {}),
+        ("batch-invariant", {"max_num_batched_tokens": 16}, {"deterministic": True}),
     ],
 )
-def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf, label, options) -> None:
+def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf, label, options, request_options) -> None:
     prompts = random_prompts(6, 500, 2, 40, seed=21)
     llm = LLM(tiny_llama_dir, **{"num_kv_blocks": 256, "block_size": 4, **options})
-    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=TOP, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, prompt_logprobs=TOP, ignore_eos=True, **request_options
+    )
     outputs = llm.generate(prompts, params)
     if label == "preempted":
         assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.runner.use_paged == (label == "paged attention")
     for prompt, out in zip(prompts, outputs, strict=True):
         _check(hf, prompt, out.prompt_logprobs, TOP, label)
 
