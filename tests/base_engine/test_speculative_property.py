@@ -1,9 +1,10 @@
 """Speculation is lossless as a property: random mixed batches of base rows and rows with up to 8
-adapters, prompts with and without repeats, greedy and seeded temperature-1 sampling, a tiny KV pool
-(preemption), aborts and shared prefixes (prefix-cache hits) -> every request's tokens (and logprobs
-within 1e-4) equal the same request run alone without speculation; an aborted request's tokens are a
-prefix of its lone run's. Afterwards no block is held and every hash published to the prefix cache
-is a chain over tokens some request really has (no rejected draft is ever published).
+adapters, prompts with and without repeats, both proposers (n-gram; a draft model: the target itself,
+acceptance about 1, and another random model, about 0), greedy and seeded temperature-1 sampling, a
+tiny KV pool (preemption), aborts and shared prefixes (prefix-cache hits) -> every request's tokens
+(and logprobs within 1e-4) equal the same request run alone without speculation; an aborted request's
+tokens are a prefix of its lone run's. Afterwards no block is held and every hash published to the
+prefix cache is a chain over tokens some request really has (no rejected draft is ever published).
 """
 
 from __future__ import annotations
@@ -42,21 +43,22 @@ TINY = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path], Path]:
     root = tmp_path_factory.mktemp("spec-property")
     model_dir = save_random_checkpoint(root / "model", **TINY)
+    other = save_random_checkpoint(root / "other", **{**TINY, "seed": 1})  # a drafter that rarely agrees
     base = load_model_config(model_dir).base_shapes()
     adapters = [
         save_random_adapter(root / f"a{i}", base, rank=4, modules=["q_proj", "v_proj"], seed=i, std=0.1)
         for i in range(NUM_ADAPTERS)
     ]
-    return model_dir, adapters
+    return model_dir, adapters, other
 
 
 @pytest.fixture(scope="module")
 def reference(tiny) -> LLMEngine:
     """Without speculation, one request at a time (a roomy pool, no prefix cache)."""
-    model_dir, adapters = tiny
+    model_dir, adapters, _ = tiny
     llm = LLM(model_dir, block_size=BLOCK_SIZE, num_kv_blocks=256, enable_prefix_caching=False,
               max_loras=NUM_ADAPTERS, max_cpu_loras=NUM_ADAPTERS, max_lora_rank=8)  # fmt: skip
     preload_adapters(llm.engine, adapters)
@@ -181,13 +183,16 @@ def mixed_engine(model_dir: Path, sc: dict, requests, speculative: str) -> LLMEn
     return llm.engine
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sc=_scenario())
-def test_ngram_speculation_is_lossless_in_mixed_batches(tiny, reference, sc: dict) -> None:
-    model_dir, adapter_dirs = tiny
+@pytest.mark.parametrize("proposer", ["ngram", "draft:self", "draft:other"])
+def test_speculation_is_lossless_in_mixed_batches(tiny, reference, proposer: str, sc: dict) -> None:
+    """n-gram; the target drafting for itself (acceptance about 1); another random model (about 0)."""
+    model_dir, adapter_dirs, other = tiny
     requests = _requests(sc, adapter_dirs)
     alone = [run_alone(reference, *r) for r in requests]
-    engine = mixed_engine(model_dir, sc, requests, "ngram")
+    method = {"draft:self": f"draft:{model_dir}", "draft:other": f"draft:{other}"}.get(proposer, proposer)
+    engine = mixed_engine(model_dir, sc, requests, method)
     try:
         preload_adapters(engine, adapter_dirs[: sc["num_adapters"]])
         rng = random.Random(sc["seed"] + 1)
