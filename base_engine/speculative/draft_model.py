@@ -73,10 +73,10 @@ class DraftModelProposer:
         if k <= 0:
             return []
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)  # the last row only
         drafts = [int(out.logits[0, -1].argmax())]
         while len(drafts) < k:
             step = torch.tensor([[drafts[-1]]], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=step, cache=out.cache, use_cache=True)  # transformers 5 names
+            out = self.model(input_ids=step, cache=out.cache, use_cache=True)
             drafts.append(int(out.logits[0, -1].argmax()))
         return drafts
