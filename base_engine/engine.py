@@ -40,6 +40,7 @@ from base_engine.sampler import Sampler
 from base_engine.sampling_params import SamplingParams
 from base_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from base_engine.sequence import Sequence, SequenceStatus
+from base_engine.speculative.draft_model import DraftModelProposer, draft_dir
 from base_engine.speculative.rows import group_rows, sampling_rows
 from base_engine.speculative.speculator import Speculator, parse_speculative
 from base_engine.speculative.verify import accepted_tokens
@@ -125,7 +126,9 @@ class LLMEngine:
         self.speculator = (
             None
             if method is None
-            else Speculator(method, self.config.num_speculative_tokens, self.max_model_len)
+            else Speculator(
+                method, self.config.num_speculative_tokens, self.max_model_len, self._drafter(method)
+            )
         )
         self.determinism = Determinism(
             model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
@@ -143,6 +146,12 @@ class LLMEngine:
         # Outputs of the step in progress, appended as they are made: when a step raises, the finals
         # of the requests it already finished are still here to be delivered.
         self.step_outputs: list[RequestOutput] = []
+
+    def _drafter(self, method: str) -> DraftModelProposer | None:
+        path = draft_dir(method)
+        if path is None:
+            return None
+        return DraftModelProposer(path, self.model_config, self.tokenizer, device=self.device)
 
     @cached_property
     def base_weight_norms(self) -> dict[tuple[int, str], float]:

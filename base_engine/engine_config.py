@@ -61,7 +61,7 @@ class EngineConfig:
     quantization: str | None = None
     # A waiting request gains one priority level per this many seconds (base_engine/priority.py); 0 = off.
     priority_aging_s: float = 30.0
-    # Speculative decoding (base_engine/speculative/): "ngram" or None (off); drafts per step.
+    # Speculative decoding (base_engine/speculative/): "ngram", "draft:<dir>" or None (off); drafts per step.
     speculative: str | None = None
     num_speculative_tokens: int = 4
 

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from base_engine.sequence import Sequence
 from base_engine.speculative.ngram import NgramProposer
+
+
+class Proposer(Protocol):
+    def propose(self, tokens: Tokens[int], k: int) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -30,22 +36,24 @@ class SpecStats:
 
 
 def parse_speculative(spec: str | None) -> str | None:
-    """None, "ngram"; anything else is refused by name."""
+    """None, "ngram", "draft:<dir>"; anything else is refused by name."""
     if spec in (None, "", "off"):
         return None
-    if spec == "ngram":
+    if spec == "ngram" or (spec.startswith("draft:") and len(spec) > len("draft:")):
         return spec
-    raise ValueError(f"speculative must be 'ngram' (or unset), got {spec!r}")
+    raise ValueError(f"speculative must be 'ngram' or 'draft:<model dir>' (or unset), got {spec!r}")
 
 
 class Speculator:
-    def __init__(self, method: str, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self, method: str, num_speculative_tokens: int, max_model_len: int, proposer: Proposer | None = None
+    ) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.method = method
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer()
+        self.proposer: Proposer = proposer or NgramProposer()  # draft:<dir>: the engine passes one
         self.stats = SpecStats()
 
     def propose(self, running: Iterable[Sequence]) -> None:
