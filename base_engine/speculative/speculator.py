@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from base_engine.outputs import SpecDecodeCounts
 from base_engine.sequence import Sequence
 from base_engine.speculative.ngram import NgramProposer
 
@@ -23,6 +24,20 @@ class SpecStats:
     num_drafts: Counter[str] = field(default_factory=Counter)
     num_draft_tokens: Counter[str] = field(default_factory=Counter)
     num_accepted_tokens: Counter[str] = field(default_factory=Counter)
+    # adapter -> [drafts whose token at position 0 was accepted, at position 1, ...]
+    num_accepted_tokens_per_pos: dict[str, list[int]] = field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, SpecDecodeCounts]:
+        """A frozen copy for `EngineStats` (read by other threads while the engine goes on counting)."""
+        return {
+            name: SpecDecodeCounts(
+                num_drafts=self.num_drafts[name],
+                num_draft_tokens=self.num_draft_tokens[name],
+                num_accepted_tokens=self.num_accepted_tokens[name],
+                num_accepted_tokens_per_pos=tuple(self.num_accepted_tokens_per_pos.get(name, ())),
+            )
+            for name in sorted(self.num_drafts)
+        }
 
     def acceptance(self, adapter: str) -> float | None:
         drafted = self.num_draft_tokens[adapter]
@@ -35,6 +50,8 @@ def parse_speculative(spec: str | None) -> str | None:
         return None
     if spec == "ngram":
         return spec
+    if spec.startswith("draft:"):
+        raise ValueError(f"speculative={spec!r}: draft-model speculation is not available yet; use 'ngram'")
     raise ValueError(f"speculative must be 'ngram' (or unset), got {spec!r}")
 
 
@@ -64,7 +81,7 @@ class Speculator:
             or seq.deterministic
             or params.constraint is not None
             or params.has_logit_rules  # min_tokens / bad words depend on the position: no drafts
-            or not getattr(params, "speculative", True)
+            or not params.speculative
         ):
             return 0
         room_output = params.max_tokens - seq.num_output_tokens - 1
@@ -76,3 +93,7 @@ class Speculator:
         self.stats.num_drafts[name] += 1
         self.stats.num_draft_tokens[name] += num_drafts
         self.stats.num_accepted_tokens[name] += num_accepted
+        per_pos = self.stats.num_accepted_tokens_per_pos.setdefault(name, [])
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for position in range(num_accepted):  # the accepted drafts are a prefix: positions 0..a-1
+            per_pos[position] += 1
