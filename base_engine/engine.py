@@ -428,4 +428,5 @@ class LLMEngine:
             adapters=self.lora.stats(self.scheduler.running, self.scheduler.waiting),
             iteration_token_counts=tuple(self.iteration_token_counts),
             iteration_tokens_sum=self.iteration_tokens_sum,
+            spec_decode={} if self.speculator is None else self.speculator.stats.snapshot(),
         )

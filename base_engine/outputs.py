@@ -93,6 +93,22 @@ class AdapterCacheStats:
     recent_activate_seconds: tuple[float, ...] = ()  # the latest host -> slot copies' durations
 
 
+@dataclass(frozen=True, slots=True)
+class SpecDecodeCounts:
+    """Speculative decoding's cumulative counts for one adapter (vLLM's `spec_decode_*` names): requests'
+    steps that carried drafts, the draft tokens scored, those accepted, and per draft position the
+    drafts whose token there was accepted. Acceptance rate = accepted / draft tokens."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return None if self.num_draft_tokens == 0 else self.num_accepted_tokens / self.num_draft_tokens
+
+
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 
 
@@ -111,6 +127,8 @@ class EngineStats:
     # ITERATION_TOKEN_BUCKETS (upper bounds, inclusive), then the count above the last; and their sum.
     iteration_token_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    # Speculative decoding per adapter name as clients send it ("" = the base model); empty when off.
+    spec_decode: dict[str, SpecDecodeCounts] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

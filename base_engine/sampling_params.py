@@ -66,6 +66,9 @@ class SamplingParams:
     # Batch-invariant execution: this request's tokens and logprobs are bitwise the same
     # whatever else shares its steps. A step that holds such a request runs the fixed-order kernels.
     deterministic: bool = False
+    # Speculative decoding may score drafts for this request (base_engine/speculative/); False opts out.
+    # Either way its tokens are the same: speculation only changes how many are computed per step.
+    speculative: bool = True
     # Constrained decoding (base_engine/constraints.py): this request's own grammar matcher, which masks
     # its row of the logits before each draw. One request per object (it holds the request's state).
     constraint: Any = None
@@ -99,6 +102,8 @@ class SamplingParams:
             callable(getattr(self.constraint, m, None)) for m in ("sync", "accept", "fill_mask")
         ):
             raise ValueError(f"constraint must be a GrammarConstraint, got {type(self.constraint).__name__}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         _check_logit_rules(self)
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)

@@ -88,6 +88,8 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool | None = None
     # Batch-invariant execution: true or false only ("yes", 1 -> 400 naming the field).
     deterministic: StrictBool | None = None
+    # Ours: false opts this request out of speculative decoding (its tokens are the same either way).
+    speculative: StrictBool | None = None
     # vLLM's priority (lower = more urgent); default and most urgent allowed: the tenant's
     # (api/tenancy/priority.py)
     priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True)

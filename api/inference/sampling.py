@@ -277,6 +277,7 @@ def sampling_params(
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "constraint": constraint,
         "deterministic": deterministic or bool(body.deterministic),
+        "speculative": body.speculative,
         **(rules or {}),
     }
     for key, value in (defaults or {}).items():
