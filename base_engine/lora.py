@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from adapters.cache import AdapterCache
 from adapters.loader import Fetch
 from adapters.slots import SlotPool
 from adapters.types import LORA_MODULES, AdapterRef, BaseModelShapes, BaseWeights
+from base_engine.invariant import invariant_linear
 from base_engine.lora_policy import LoraAdmissionPolicy
 from base_engine.model.decoder import PACKED, CausalLM
 from base_engine.outputs import AdapterCacheStats, AdapterRequests
@@ -78,6 +80,9 @@ class ModelWeights:
     def embedding(self) -> torch.Tensor:
         return self.model.model.embed_tokens.weight.detach()
 
+    def lm_head(self) -> torch.Tensor:
+        return self.model.lm_head.weight.detach()
+
     @torch.no_grad()
     def frobenius_norms(self) -> dict[tuple[int, str], float]:
         """||W||_F in float64 per (layer, checkpoint projection), and of the input embedding as
@@ -89,6 +94,7 @@ class ModelWeights:
         }
         embedding = self.model.model.embed_tokens.weight.detach()
         norms[(-1, "embed_tokens")] = float(torch.linalg.norm(embedding.double()))
+        norms[(-1, "lm_head")] = float(torch.linalg.norm(self.lm_head().double()))
         return norms
 
 
@@ -126,6 +132,26 @@ class LoraStepBatch:
             if multiplier is not None:
                 delta = delta * multiplier
             x.index_add_(0, rows, delta.to(x.dtype))
+
+    def add_lm_head(
+        self, logits: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, invariant: bool
+    ) -> None:
+        """logits[i] += scale * B (A hidden[i]) for every i whose step row `rows[i]` has a slot with an
+        lm_head LoRA (PEFT: `lora_B(lora_A(x)) * scaling` added to the head's output), one pair of
+        matmuls per such slot, before any soft-cap and before the sampler's masks."""
+        heads = self.pool.lm_head
+        if not heads or self.step_slots.isdisjoint(heads):
+            return
+        slots = self.token_slots.index_select(0, rows.to(self.token_slots.device))
+        linear = invariant_linear if invariant else F.linear
+        for slot in sorted(self.step_slots.intersection(heads)):
+            picked = torch.nonzero(slots == slot).flatten().to(logits.device)
+            if picked.numel() == 0:
+                continue
+            head = heads[slot]
+            h = hidden.index_select(0, picked)
+            delta = linear(linear(h, head.a.to(h.dtype)), head.b.to(h.dtype)) * head.scale
+            logits.index_add_(0, picked, delta.to(logits.dtype))
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         slots = self.pool.layers[layer][projection]

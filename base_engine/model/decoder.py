@@ -47,6 +47,12 @@ class LoraBatch(Protocol):
         """Adds each row's embedding-LoRA delta (rows whose adapter has one) to the looked-up `x`."""
         ...
 
+    def add_lm_head(
+        self, logits: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, invariant: bool
+    ) -> None:
+        """Adds the lm_head-LoRA delta to `logits` (of `hidden`, the step rows `rows`) where it applies."""
+        ...
+
 
 def project(linear: nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
     """`linear(x)`, or its batch-invariant form (base_engine/invariant.py) in a deterministic step."""
@@ -228,8 +234,14 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32."""
+    def logits(
+        self,
+        hidden: torch.Tensor,
+        invariant: bool = False,
+        lora: LoraBatch | None = None,
+        rows: torch.Tensor | None = None,  # the step rows of `hidden`, for the LoRA slots
+    ) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32 (with each row's lm_head LoRA, before the soft-cap)."""
         weight = self.lm_head.weight  # [vocab, hidden]
         if self.head_float32 is not None:
             hidden, weight = hidden.float(), self.head_float32
@@ -242,5 +254,7 @@ class CausalLM(nn.Module):
             out = hidden.new_empty(hidden.shape[0], vocab)
             for start in range(0, vocab, LOGITS_CHUNK):
                 out[:, start : start + LOGITS_CHUNK] = linear(hidden, weight[start : start + LOGITS_CHUNK])
+        if lora is not None and rows is not None:
+            lora.add_lm_head(out, hidden, rows, invariant)
         # Capped in the model dtype, as transformers does, then widened.
         return (out if cap is None else softcap(out, cap)).float()

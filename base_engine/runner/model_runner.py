@@ -246,7 +246,8 @@ class ModelRunner:
         cos_sin = self.rope(batch.positions, batch.max_position)
         local = None if self.local_rope is None else self.local_rope(batch.positions, batch.max_position)
         hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora, local)
-        logits = self.model.logits(hidden.index_select(0, batch.sample_rows), batch.meta.invariant)
+        rows = batch.sample_rows
+        logits = self.model.logits(hidden.index_select(0, rows), batch.meta.invariant, lora, rows)
         # A row's own K/V feed its own attention, so a NaN/Inf written to the cache at any layer shows
         # in that row's final hidden state; logits can still overflow on their own. A row sum is NaN/Inf
         # iff a value is (or the finite values' sum overflows fp32, ~1e34 each: broken all the same),
