@@ -25,6 +25,7 @@ from adapters.embedding import without_embedding_copy, without_head_copy
 from adapters.eviction import EvictionPolicy, LruEviction
 from adapters.format import LoraAdapter, LoraPair, load_adapter
 from adapters.loader import AdapterLoader, Fetch, PendingLoad
+from adapters.replacements import DEFAULT_MAX_REPLACEMENT_BYTES
 from adapters.slots import SlotPool
 from adapters.types import AdapterRef, BaseModelShapes, BaseWeights
 
@@ -68,8 +69,10 @@ class AdapterCache:
         device: torch.device,
         eviction: EvictionPolicy | None = None,
         base_weights: BaseWeights | None = None,
+        max_replacement_bytes: int | None = DEFAULT_MAX_REPLACEMENT_BYTES,
     ) -> None:
         self.base = base
+        self.max_replacement_bytes = max_replacement_bytes  # per adapter, its modules_to_save matrices
         self.base_weights = base_weights  # for DoRA's norms, computed at load (adapters/dora.py)
         self.fetch = fetch
         self.max_lora_rank = max_lora_rank
@@ -88,7 +91,10 @@ class AdapterCache:
 
     def _parse(self, path: Path) -> LoraAdapter:
         """Parse and check one adapter directory, then precompute DoRA's scales (loader threads)."""
-        adapter = load_adapter(path, base=self.base, dtype=self.dtype, max_lora_rank=self.max_lora_rank)
+        adapter = load_adapter(
+            path, base=self.base, dtype=self.dtype, max_lora_rank=self.max_lora_rank,
+            max_replacement_bytes=self.max_replacement_bytes,
+        )  # fmt: skip
         adapter = without_head_copy(without_embedding_copy(adapter, self.base_weights), self.base_weights)
         return with_dora_scales(adapter, self.base_weights)
 
@@ -285,9 +291,10 @@ class AdapterCache:
 
 def adapter_bytes(adapter: LoraAdapter) -> int:
     """Host bytes of the factors, of DoRA's vectors (magnitude, out_scale, out_shift) and of the
-    embedding and lm_head LoRA's factors."""
+    embedding and lm_head LoRA's factors and of its modules_to_save matrices."""
     pairs = [*adapter.weights.values(), *(p for p in (adapter.embedding, adapter.lm_head) if p is not None)]
-    return sum(
+    replaced = sum(t.numel() * t.element_size() for t in adapter.replacements.values())
+    return replaced + sum(
         t.numel() * t.element_size()
         for p in pairs
         for t in (p.a, p.b, p.magnitude, p.out_scale, p.out_shift)
@@ -309,4 +316,7 @@ def _pin_host_memory(adapter: LoraAdapter) -> LoraAdapter:
         None if p is None else LoraPair(p.a.pin_memory(), p.b.pin_memory(), p.scale)
         for p in (adapter.embedding, adapter.lm_head)
     )
-    return dataclasses.replace(adapter, weights=weights, embedding=embedding, lm_head=lm_head)
+    replacements = {name: t.pin_memory() for name, t in adapter.replacements.items()}
+    return dataclasses.replace(
+        adapter, weights=weights, embedding=embedding, lm_head=lm_head, replacements=replacements
+    )

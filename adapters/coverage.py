@@ -6,7 +6,9 @@ default init saves lora_B = 0) and no DoRA module (a DoRA magnitude can rescale 
 No module matched and every target in an excluded layer are refused earlier (peft_targets.py). A delta
 below `NEGLIGIBLE` relative everywhere is accepted with a warning. An embedding LoRA is listed as layer -1,
 module "embed_tokens", kind "embedding" (its relative delta against the embedding matrix); an lm_head LoRA as
-layer -1, module "lm_head", kind "lm_head" (against the served LM head)."""
+layer -1, module "lm_head", kind "lm_head" (against the served LM head); a modules_to_save copy as layer -1,
+its module, kind "modules_to_save", rank 0, scale 1, `delta_fro` = ||copy||_F and no relative delta (it
+replaces the module rather than adding to it; the base weights are not at hand at upload)."""
 
 from __future__ import annotations
 
@@ -51,8 +53,15 @@ def coverage_report(
         kind = "dora" if pair.magnitude is not None or pair.out_scale is not None else "lora"
         kind = ("embedding" if module == "embed_tokens" else module) if layer == EMBEDDING_LAYER else kind
         modules.append(ModuleCoverage(layer, module, kind, int(pair.a.shape[0]), pair.scale, fro, relative))
-    kinds = tuple(k for k in ("lora", "dora", "embedding", "lm_head") if any(m.kind == k for m in modules))
-    if all(m.delta_fro == 0.0 for m in modules) and "dora" not in kinds:
+    for module, matrix in adapter.replacements.items():
+        fro = float(torch.linalg.norm(matrix.double()))
+        modules.append(ModuleCoverage(EMBEDDING_LAYER, module, "modules_to_save", 0, 1.0, fro, None))
+    kinds = tuple(
+        k
+        for k in ("lora", "dora", "embedding", "lm_head", "modules_to_save")
+        if any(m.kind == k for m in modules)
+    )
+    if all(m.delta_fro == 0.0 for m in modules) and "dora" not in kinds and not adapter.replacements:
         raise AdapterValidationError(
             f"the adapter changes nothing: scale * lora_B @ lora_A is zero in all {len(modules)} targeted "
             "modules (an untrained adapter: PEFT initialises lora_B to zeros)"

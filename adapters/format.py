@@ -24,7 +24,7 @@ checks shapes, finiteness and the overflow bound.
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +45,7 @@ from adapters.lm_head import check_weight_tying, checked_head_copy, checked_lm_h
 from adapters.peft_fields import SUPPORTED_MODEL_TYPES, check_fields, check_type
 from adapters.peft_rank import parse_spec
 from adapters.peft_targets import EMBEDDING_TARGET, LM_HEAD_TARGET, resolve_targets
+from adapters.replacements import replaced_modules, take_replacements
 from adapters.safetensors_header import check_header, mapped_tensors
 from adapters.types import (
     FUSED_PROJECTIONS,
@@ -88,6 +89,9 @@ class LoraAdapter:
     # scale * b @ (a @ h); `lm_head_copy` is the base head PEFT saved beside it, dropped at load.
     lm_head: LoraPair | None = None
     lm_head_copy: torch.Tensor | None = None
+    # modules_to_save (adapters/replacements.py): "lm_head" / "embed_tokens" -> the adapter's own
+    # [vocab, hidden] matrix, which replaces the base module for its rows.
+    replacements: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -109,6 +113,7 @@ def parse_adapter(
     base: BaseModelShapes,
     dtype: torch.dtype = torch.float32,
     max_lora_rank: int | None = None,
+    max_replacement_bytes: int | None = None,
 ) -> LoraAdapter:
     """Check `files` against `base` and return the factors as `dtype` (see module docstring)."""
     if base.model_type in MOE_MODEL_TYPES:
@@ -125,6 +130,7 @@ def parse_adapter(
     use_dora = bool(check_type(files.config, "use_dora", (bool, type(None)), False))
     spec = parse_spec(files.config)
     targets = resolve_targets(files.config, base)
+    replaced = replaced_modules(files.config, base, targets)
     check_header(files.weights_bytes)
     try:
         if isinstance(files.weights_bytes, mmap.mmap):
@@ -134,6 +140,7 @@ def parse_adapter(
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise AdapterFormatError(f"{WEIGHTS_NAME} could not be parsed: {exc}") from exc
     check_weight_tying(files.config, tensors)
+    replacements = take_replacements(tensors, replaced, base, dtype, max_replacement_bytes)
     by_module = split_tensors(tensors, targets, base, spec.has_velora, dora=use_dora)
     weights: dict[tuple[int, str], LoraPair] = {}
     embedding = embedding_copy = lm_head = lm_head_copy = None
@@ -163,7 +170,7 @@ def parse_adapter(
     max_rank = max([*ranks.values(), *extra])
     return LoraAdapter(
         rank_by_module=rank_by_module, max_rank=max_rank, weights=weights, embedding=embedding,
-        embedding_copy=embedding_copy, lm_head=lm_head, lm_head_copy=lm_head_copy,
+        embedding_copy=embedding_copy, lm_head=lm_head, lm_head_copy=lm_head_copy, replacements=replacements,
     )  # fmt: skip
 
 
@@ -222,6 +229,10 @@ def load_adapter(
     base: BaseModelShapes,
     dtype: torch.dtype = torch.float32,
     max_lora_rank: int | None = None,
+    max_replacement_bytes: int | None = None,
 ) -> LoraAdapter:
     """Read a PEFT LoRA directory on CPU and check it against `base`; raises AdapterFormatError."""
-    return parse_adapter(read_adapter_files(adapter_dir), base=base, dtype=dtype, max_lora_rank=max_lora_rank)
+    return parse_adapter(
+        read_adapter_files(adapter_dir), base=base, dtype=dtype, max_lora_rank=max_lora_rank,
+        max_replacement_bytes=max_replacement_bytes,
+    )  # fmt: skip

@@ -17,7 +17,8 @@ Embedding LoRA: `embedding[slot]` holds the slot's factors on the device as the 
 A^T [vocab, r] and B^T [r, hidden], written with the adapter and dropped when the slot is rewritten by
 one without (not preallocated: most adapters have none, and a vocab-sized stack per slot would cost
 every slot). Their bytes are the adapter's, counted by the cache (adapters/cache.py `adapter_bytes`).
-lm_head LoRA likewise: `lm_head[slot]` holds A [r, hidden] and B [vocab, r] as F.linear takes them.
+lm_head LoRA likewise: `lm_head[slot]` holds A [r, hidden] and B [vocab, r] as F.linear takes them; and
+modules_to_save: `replacements[slot]` holds the adapter's own [vocab, hidden] lm_head / embed_tokens.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class SlotPool:
             self.layers.append(per_proj)
         self.embedding: dict[int, EmbeddingSlot] = {}  # slot -> its adapter's embedding LoRA, if any
         self.lm_head: dict[int, HeadSlot] = {}  # slot -> its adapter's lm_head LoRA, if any
+        # slot -> {"lm_head" | "embed_tokens": [vocab, hidden]} of its adapter's modules_to_save, if any
+        self.replacements: dict[int, dict[str, torch.Tensor]] = {}
         # Device memory the slot tensors hold (all slots, used or not); fixed for the pool's life.
         self.num_bytes = self.bytes_per_slot(base, max_rank, dtype) * num_slots
 
@@ -127,6 +130,11 @@ class SlotPool:
                 e.scale,
             )
         self.lm_head.pop(slot, None)
+        self.replacements.pop(slot, None)
+        if adapter.replacements:
+            self.replacements[slot] = {
+                name: t.to(self.device, non_blocking=True) for name, t in adapter.replacements.items()
+            }
         if adapter.lm_head is not None:
             h = adapter.lm_head
             self.lm_head[slot] = HeadSlot(

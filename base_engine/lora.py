@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from adapters.cache import AdapterCache
 from adapters.loader import Fetch
 from adapters.slots import SlotPool
 from adapters.types import LORA_MODULES, AdapterRef, BaseModelShapes, BaseWeights
-from base_engine.invariant import invariant_linear
+from base_engine.lora_heads import HeadGroup, add_lm_head, head_groups, replace_embedding
 from base_engine.lora_policy import LoraAdmissionPolicy
 from base_engine.model.decoder import PACKED, CausalLM
 from base_engine.outputs import AdapterCacheStats, AdapterRequests
@@ -136,22 +135,13 @@ class LoraStepBatch:
     def add_lm_head(
         self, logits: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, invariant: bool
     ) -> None:
-        """logits[i] += scale * B (A hidden[i]) for every i whose step row `rows[i]` has a slot with an
-        lm_head LoRA (PEFT: `lora_B(lora_A(x)) * scaling` added to the head's output), one pair of
-        matmuls per such slot, before any soft-cap and before the sampler's masks."""
-        heads = self.pool.lm_head
-        if not heads or self.step_slots.isdisjoint(heads):
-            return
-        slots = self.token_slots.index_select(0, rows.to(self.token_slots.device))
-        linear = invariant_linear if invariant else F.linear
-        for slot in sorted(self.step_slots.intersection(heads)):
-            picked = torch.nonzero(slots == slot).flatten().to(logits.device)
-            if picked.numel() == 0:
-                continue
-            head = heads[slot]
-            h = hidden.index_select(0, picked)
-            delta = linear(linear(h, head.a.to(h.dtype)), head.b.to(h.dtype)) * head.scale
-            logits.index_add_(0, picked, delta.to(logits.dtype))
+        add_lm_head(self.pool, self.token_slots, self.step_slots, logits, hidden, rows, invariant)
+
+    def head_groups(self, rows: torch.Tensor) -> list[HeadGroup]:
+        return head_groups(self.pool, self.token_slots, self.step_slots, rows)
+
+    def replace_embedding(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
+        replace_embedding(self.pool, self.meta, self.step_slots, input_ids, x)
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         slots = self.pool.layers[layer][projection]
@@ -308,6 +298,7 @@ def make_lora_manager(
     device: torch.device,
     fetch: Fetch | None,
     base_weights: BaseWeights | None = None,
+    max_replacement_bytes: int | None = None,
 ) -> LoraManager:
     """The adapter cache over the base model's shapes and its admission policy (given to the scheduler).
 
@@ -322,5 +313,6 @@ def make_lora_manager(
         dtype=dtype,
         device=device,
         base_weights=base_weights,
+        max_replacement_bytes=max_replacement_bytes,
     )
     return LoraManager(cache, LoraAdmissionPolicy(cache, max_wait_s=max_wait_s))

@@ -53,6 +53,14 @@ class LoraBatch(Protocol):
         """Adds the lm_head-LoRA delta to `logits` (of `hidden`, the step rows `rows`) where it applies."""
         ...
 
+    def head_groups(self, rows: torch.Tensor) -> list:
+        """The sampled rows per LM-head matrix (`lora_heads.HeadGroup`s); [] when all use the base's."""
+        ...
+
+    def replace_embedding(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
+        """Rows whose adapter has its own embed_tokens (modules_to_save) read it instead of the base's."""
+        ...
+
 
 def project(linear: nn.Linear, x: torch.Tensor, invariant: bool) -> torch.Tensor:
     """`linear(x)`, or its batch-invariant form (base_engine/invariant.py) in a deterministic step."""
@@ -222,6 +230,8 @@ class CausalLM(nn.Module):
         local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,  # windowed layers' (Gemma 3)
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        if lora is not None:
+            lora.replace_embedding(input_ids, x)
         multiplier = None
         if self.config.gemma_layout:
             multiplier = embed_scale(self.config.hidden_size, x.dtype)
@@ -245,16 +255,28 @@ class CausalLM(nn.Module):
         weight = self.lm_head.weight  # [vocab, hidden]
         if self.head_float32 is not None:
             hidden, weight = hidden.float(), self.head_float32
-        vocab = weight.shape[0]
-        linear = invariant_linear if invariant else F.linear
+        groups = [] if lora is None or rows is None else lora.head_groups(rows)
+        if not groups:
+            out = _head(hidden, weight, invariant)
+        else:  # modules_to_save: each adapter's rows through its own head, the rest through the base's
+            out = hidden.new_empty(hidden.shape[0], weight.shape[0])
+            for picked, own in groups:
+                head = weight if own is None else own.to(hidden.dtype)
+                out.index_copy_(0, picked, _head(hidden.index_select(0, picked), head, invariant))
         cap = self.config.final_logit_softcapping
-        if hidden.device.type != "cpu" or vocab <= LOGITS_CHUNK:
-            out = linear(hidden, weight)
-        else:
-            out = hidden.new_empty(hidden.shape[0], vocab)
-            for start in range(0, vocab, LOGITS_CHUNK):
-                out[:, start : start + LOGITS_CHUNK] = linear(hidden, weight[start : start + LOGITS_CHUNK])
         if lora is not None and rows is not None:
             lora.add_lm_head(out, hidden, rows, invariant)
         # Capped in the model dtype, as transformers does, then widened.
         return (out if cap is None else softcap(out, cap)).float()
+
+
+def _head(hidden: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """hidden [N, hidden] @ weight [vocab, hidden]^T, in LOGITS_CHUNK vocabulary chunks on CPU."""
+    vocab = weight.shape[0]
+    linear = invariant_linear if invariant else F.linear
+    if hidden.device.type != "cpu" or vocab <= LOGITS_CHUNK:
+        return linear(hidden, weight)
+    out = hidden.new_empty(hidden.shape[0], vocab)
+    for start in range(0, vocab, LOGITS_CHUNK):
+        out[:, start : start + LOGITS_CHUNK] = linear(hidden, weight[start : start + LOGITS_CHUNK])
+    return out
