@@ -20,7 +20,7 @@ from adapters.cache import AdapterCache
 from adapters.loader import Fetch
 from adapters.slots import SlotPool
 from adapters.types import LORA_MODULES, AdapterRef, BaseModelShapes, BaseWeights
-from base_engine.lora_heads import HeadGroup, add_lm_head, head_groups, replace_embedding
+from base_engine.lora_heads import HeadGroup, add_lm_head, apply_norm, head_groups, replace_embedding
 from base_engine.lora_policy import LoraAdmissionPolicy
 from base_engine.model.decoder import PACKED, CausalLM
 from base_engine.outputs import AdapterCacheStats, AdapterRequests
@@ -142,6 +142,10 @@ class LoraStepBatch:
 
     def replace_embedding(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
         replace_embedding(self.pool, self.meta, self.step_slots, input_ids, x)
+
+    def apply_norm(self, norm: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.pool.replacements:
+            apply_norm(self.pool, self.meta, self.step_slots, norm, x, y)
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         slots = self.pool.layers[layer][projection]

@@ -1,5 +1,5 @@
 """The per-row LM head and embedding of a multi-LoRA step: lm_head LoRA deltas on the logits, and
-`modules_to_save` copies of lm_head / embed_tokens read by the rows of their adapter only.
+`modules_to_save` copies of lm_head / embed_tokens / norms read by the rows of their adapter only.
 
 `head_groups` splits the sampled rows into per-adapter groups (the rows of every slot whose adapter has
 its own lm_head, then the rest): the model computes each group's logits with that group's matrix
@@ -12,10 +12,29 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
 
 from adapters.slots import SlotPool
 from base_engine.invariant import invariant_linear
 from kernels.sgmv import SgmvMeta
+
+
+def apply_norm(
+    pool: SlotPool, meta: SgmvMeta, step_slots: set[int], norm: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """y[rows of a slot whose adapter saves its own copy of `norm`] = that copy applied to x[rows]: the
+    module's own forward with the copy's weight (PEFT's ModulesToSaveWrapper runs the copied module)."""
+    key = getattr(norm, "peft_key", None)
+    owners = {s for s in step_slots if key in pool.replacements.get(s, {})}
+    if not owners:
+        return
+    for slot, start, n in zip(meta.seg_slots_host, meta.seg_starts_host, meta.seg_lens_host, strict=True):
+        if not n or slot not in owners:
+            continue
+        rows = meta.sorted_rows[start : start + n].long()
+        weight = pool.replacements[slot][key]
+        y.index_copy_(0, rows, functional_call(norm, {"weight": weight}, (x.index_select(0, rows),)))
 
 
 class HeadGroup(NamedTuple):

@@ -18,6 +18,7 @@ from base_engine.invariant import invariant_linear
 from base_engine.model.config import ModelConfig
 from base_engine.model.gemma import GemmaDecoderLayer, GemmaRMSNorm, embed_scale, softcap
 from base_engine.model.moe import SparseMoeBlock
+from base_engine.model.norm_rows import normed
 from base_engine.model.rope import apply_rope
 from base_engine.runner.attention import AttentionMetadata, attend, write_kv
 
@@ -59,6 +60,10 @@ class LoraBatch(Protocol):
 
     def replace_embedding(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
         """Rows whose adapter has its own embed_tokens (modules_to_save) read it instead of the base's."""
+        ...
+
+    def apply_norm(self, norm: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Rows whose adapter has its own copy of `norm` (modules_to_save): y[rows] = copy(x[rows])."""
         ...
 
 
@@ -116,7 +121,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         if self.q_norm is not None and self.k_norm is not None:  # after the LoRA deltas, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = normed(self.q_norm, q, lora), normed(self.k_norm, k, lora)
         q = apply_rope(q, *cos_sin)
         k = apply_rope(k, *cos_sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -167,8 +172,8 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LoraBatch | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora, meta.invariant)
+        x = x + self.self_attn(normed(self.input_layernorm, x, lora), cos_sin, kv_cache, meta, lora)
+        return x + self.mlp(normed(self.post_attention_layernorm, x, lora), lora, meta.invariant)
 
 
 def _mlp(config: ModelConfig, layer: int) -> nn.Module:
@@ -209,6 +214,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        for name, module in self.named_modules():  # PEFT's module keys, for modules_to_save on norms
+            if isinstance(module, (RMSNorm, GemmaRMSNorm)):
+                module.peft_key = name
         # A float32 copy of the LM head when the CPU serves a 16-bit dtype (`keep_float32_logits`).
         self.head_float32: torch.Tensor | None = None
 
@@ -241,7 +249,7 @@ class CausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             is_local = local_cos_sin is not None and layer.self_attn.window is not None
             x = layer(x, local_cos_sin if is_local else cos_sin, kv_cache, meta, lora)
-        return self.model.norm(x)
+        return normed(self.model.norm, x, lora)
 
     @torch.inference_mode()
     def logits(

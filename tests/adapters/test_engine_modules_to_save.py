@@ -116,6 +116,26 @@ def test_tied_and_chunked_modules_to_save_matches_peft(family: str, make_checkpo
         assert_greedy_match(outs[i].token_ids, outs[i].logprobs, ref_tokens, ref_lps, label=f"{family} #{i}")
 
 
+@pytest.mark.parametrize("family", ["llama-gqa", "gemma2-softcap", "qwen3"])
+def test_modules_to_save_norms_match_peft(family: str, make_checkpoint, tmp_path: Path) -> None:
+    """PEFT's suffix match: "norm" selects every norm (layer norms, model.norm, q/k norms on Qwen 3);
+    each adapter's rows run the norm with its own weight (Gemma's (1 + w) form included)."""
+    model_dir = make_checkpoint(**CHECKPOINTS[family])
+    norms = make_saved_adapter(model_dir, tmp_path / "n", seed=98, r=4, target_modules=["v_proj"],
+                               modules_to_save=["norm"])  # fmt: skip
+    layer0 = make_saved_adapter(model_dir, tmp_path / "l0", seed=99, r=4, target_modules=["o_proj"],
+                                modules_to_save=["layers.0.input_layernorm", "lm_head"])  # fmt: skip
+    prompts = random_prompts(4, 500, 4, 12, seed=100)
+    picks = [norms, None, layer0, norms]
+    llm = LLM(model_dir, num_kv_blocks=64, block_size=4, max_loras=3, max_lora_rank=8)
+    outs = llm.generate(prompts, GREEDY, adapters=picks)
+    models = {p: peft_model(model_dir, p) for p in {norms, layer0, None}}
+    assert hf_greedy(models[norms], prompts[0], MAX_NEW)[0] != hf_greedy(models[None], prompts[0], MAX_NEW)[0]
+    for i, adapter in enumerate(picks):
+        ref_tokens, ref_lps = hf_greedy(models[adapter], prompts[i], MAX_NEW)
+        assert_greedy_match(outs[i].token_ids, outs[i].logprobs, ref_tokens, ref_lps, label=f"{family} #{i}")
+
+
 def _copy(adapters, name: str, tmp_path: Path) -> Path:
     return shutil.copytree(adapters[name], tmp_path / name)
 
@@ -153,8 +173,8 @@ def test_over_budget_is_refused_with_the_figures(tiny_llama_dir, adapters) -> No
 @pytest.mark.parametrize(
     ("config", "cause"),
     [
-        ({"modules_to_save": ["input_layernorm"]}, "merge the adapter into the base model"),
-        ({"modules_to_save": ["norm"]}, "merge the adapter into the base model"),
+        ({"modules_to_save": ["act_fn"]}, "merge the adapter into the base model"),
+        ({"modules_to_save": ["rotary_emb"]}, "merge the adapter into the base model"),
         ({"modules_to_save": ["q_proj"]}, "merge the adapter into the base model"),
         ({"target_modules": ["q_proj", "lm_head"]}, "both in modules_to_save and a LoRA target"),
         ({"modules_to_save": ["lm_head_x"]}, "names no module"),
@@ -182,3 +202,16 @@ def test_copies_are_counted_in_the_cache_bytes_and_the_coverage(tiny_llama_dir, 
     assert row["delta_fro"] == pytest.approx(
         float(torch.linalg.norm(adapter.replacements["lm_head"].double()))
     )
+
+
+def test_coverage_lists_norm_copies_per_layer(make_checkpoint, tmp_path) -> None:
+    model_dir = make_checkpoint(**CHECKPOINTS["llama-gqa"])
+    directory = make_saved_adapter(model_dir, tmp_path / "n", seed=101, r=4, target_modules=["v_proj"],
+                                   modules_to_save=["input_layernorm", "model.norm"])  # fmt: skip
+    base = load_model_config(model_dir).base_shapes()
+    summary = validate_adapter(directory, base=base, max_lora_rank=8, max_size_bytes=1 << 26)
+    layers = summary.coverage.as_json()["layers"]
+    assert layers["0"]["input_layernorm"]["kind"] == "modules_to_save"
+    assert layers["1"]["input_layernorm"]["kind"] == "modules_to_save"
+    assert layers["norm"]["norm"]["kind"] == "modules_to_save"
+    assert "post_attention_layernorm" not in layers["0"]

@@ -177,7 +177,7 @@ def test_half_precision_adapters(saved: torch.dtype, tmp_path: Path) -> None:
 
 PEFT_BUILT_REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
     "modules_to_save_norm": (
-        {"target_modules": ["q_proj"], "modules_to_save": ["input_layernorm"]},
+        {"target_modules": ["q_proj"], "modules_to_save": ["act_fn"]},
         "merge the adapter",
     ),
     "bias_lora_only": ({"target_modules": ["q_proj"], "bias": "lora_only"}, "bias='lora_only'"),
