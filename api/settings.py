@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     max_loras: int = Field(4, ge=1)
     max_cpu_loras: int = Field(16, ge=1)
+    # Per adapter: bytes of its modules_to_save matrices (lm_head / embed_tokens) in the serving dtype.
+    max_replacement_bytes: int = Field(2 << 30, ge=0)
     max_lora_rank: int = Field(64, ge=1)
     seed: int = 0
 
@@ -205,6 +207,7 @@ class Settings(BaseSettings):
             seed=self.seed,
             max_loras=self.max_loras,
             max_cpu_loras=self.max_cpu_loras,
+            max_replacement_bytes=self.max_replacement_bytes,
             max_lora_rank=self.max_lora_rank,
             deterministic=self.deterministic,  # the engine refuses to start where it cannot keep it
             quantization=self.quantization,

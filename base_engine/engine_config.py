@@ -49,6 +49,8 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int = 16
+    # Per adapter: bytes of its modules_to_save matrices (lm_head / embed_tokens) in the serving dtype.
+    max_replacement_bytes: int = 2 << 30
     lora_memory_fraction: float = 0.1
     # A waiting request older than this is admitted before younger ones whatever its adapter or tenant.
     max_wait_s: float = 5.0

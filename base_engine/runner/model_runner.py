@@ -264,12 +264,19 @@ class ModelRunner:
         cos_sin = self.rope(batch.positions, batch.max_position)
         local = None if self.local_rope is None else self.local_rope(batch.positions, batch.max_position)
         hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora, local)
-        logits = self.model.logits(hidden.index_select(0, batch.sample_rows), batch.meta.invariant)
+        rows = batch.sample_rows
+        logits = self.model.logits(hidden.index_select(0, rows), batch.meta.invariant, lora, rows)
         prompt = None
         if batch.prompt is not None:
-            invariant = batch.meta.invariant
-            prompt_hidden = hidden.index_select(0, batch.prompt.rows)
-            prompt = score(lambda h: self.model.logits(h, invariant), prompt_hidden, batch.prompt)
+            invariant, prompt_rows, done = batch.meta.invariant, batch.prompt.rows, [0]
+
+            def prompt_logits(h: torch.Tensor) -> torch.Tensor:
+                # `score` hands the rows over in order, in blocks: each block's step rows, for the
+                # adapters' own heads (lm_head LoRA, modules_to_save) as on the sampled rows.
+                begin, done[0] = done[0], done[0] + h.shape[0]
+                return self.model.logits(h, invariant, lora, prompt_rows[begin : done[0]])
+
+            prompt = score(prompt_logits, hidden.index_select(0, prompt_rows), batch.prompt)
         # A row's own K/V feed its own attention, so a NaN/Inf written to the cache at any layer shows
         # in that row's final hidden state; logits can still overflow on their own. A row sum is NaN/Inf
         # iff a value is (or the finite values' sum overflows fp32, ~1e34 each: broken all the same),
