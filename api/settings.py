@@ -137,6 +137,9 @@ class Settings(BaseSettings):
     replica_id: str | None = None  # None = "<hostname>-<pid>" in a fleet
     # Reproducible answers: every request runs batch-invariant, as `deterministic: true` asks.
     deterministic: bool = False
+    # Speculative decoding (base_engine/speculative/): "ngram" or None (off); drafts per request and step.
+    speculative: str | None = None
+    num_speculative_tokens: int = Field(4, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -206,6 +209,8 @@ class Settings(BaseSettings):
             deterministic=self.deterministic,  # the engine refuses to start where it cannot keep it
             quantization=self.quantization,
             priority_aging_s=self.priority_aging_s,
+            speculative=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from base_engine.speculative.speculator import parse_speculative
+
 # Share of memory the KV pool takes when `kv_cache_memory_fraction` is None: on CUDA of the free device
 # memory after the weights and adapter slots; on the CPU of the host memory still available, which the
 # weights' page cache, the adapter host tier, the tokenizer and other processes also draw on.
@@ -61,7 +63,7 @@ class EngineConfig:
     quantization: str | None = None
     # A waiting request gains one priority level per this many seconds (base_engine/priority.py); 0 = off.
     priority_aging_s: float = 30.0
-    # Speculative decoding (base_engine/speculative/): "ngram" or None (off); drafts per step.
+    # Speculative decoding (base_engine/speculative/): "ngram", "draft:<dir>" or None (off); drafts per step.
     speculative: str | None = None
     num_speculative_tokens: int = 4
 
@@ -90,6 +92,10 @@ class EngineConfig:
             raise ValueError(refusal)
         if self.attention not in ("auto", "paged", "buckets"):
             raise ValueError(f"attention={self.attention!r}, expected 'auto', 'paged' or 'buckets'")
+        parse_speculative(self.speculative)  # refuses an unknown method by name
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            k = self.num_speculative_tokens
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
