@@ -36,6 +36,7 @@ from base_engine.runner.host import set_intra_op_threads
 from base_engine.runner.kv_sizing import plan_memory
 from base_engine.runner.model_runner import ModelRunner, allocate_kv_caches
 from base_engine.runner.step import StepBatch, StepResult
+from base_engine.runner.weight_sizing import check_model_fits
 from base_engine.sampler import Sampler
 from base_engine.sampling_params import SamplingParams
 from base_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -70,6 +71,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        check_model_fits(self.model_config, self.dtype, self.device)
         model = load_model(self.model_dir, self.model_config, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu" and self.dtype != torch.float32:
             model.keep_float32_logits()
