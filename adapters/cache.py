@@ -11,6 +11,7 @@ picks the victim among those (S-LoRA's unified cache, without paging: slots are 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict, deque
@@ -20,10 +21,11 @@ from pathlib import Path
 import torch
 
 from adapters.dora import with_dora_scales
-from adapters.embedding import without_embedding_copy
+from adapters.embedding import without_embedding_copy, without_head_copy
 from adapters.eviction import EvictionPolicy, LruEviction
 from adapters.format import LoraAdapter, LoraPair, load_adapter
 from adapters.loader import AdapterLoader, Fetch, PendingLoad
+from adapters.replacements import DEFAULT_MAX_REPLACEMENT_BYTES
 from adapters.slots import SlotPool
 from adapters.types import AdapterRef, BaseModelShapes, BaseWeights
 
@@ -67,8 +69,10 @@ class AdapterCache:
         device: torch.device,
         eviction: EvictionPolicy | None = None,
         base_weights: BaseWeights | None = None,
+        max_replacement_bytes: int | None = DEFAULT_MAX_REPLACEMENT_BYTES,
     ) -> None:
         self.base = base
+        self.max_replacement_bytes = max_replacement_bytes  # per adapter, its modules_to_save matrices
         self.base_weights = base_weights  # for DoRA's norms, computed at load (adapters/dora.py)
         self.fetch = fetch
         self.max_lora_rank = max_lora_rank
@@ -87,8 +91,12 @@ class AdapterCache:
 
     def _parse(self, path: Path) -> LoraAdapter:
         """Parse and check one adapter directory, then precompute DoRA's scales (loader threads)."""
-        adapter = load_adapter(path, base=self.base, dtype=self.dtype, max_lora_rank=self.max_lora_rank)
-        return with_dora_scales(without_embedding_copy(adapter, self.base_weights), self.base_weights)
+        adapter = load_adapter(
+            path, base=self.base, dtype=self.dtype, max_lora_rank=self.max_lora_rank,
+            max_replacement_bytes=self.max_replacement_bytes,
+        )  # fmt: skip
+        adapter = without_head_copy(without_embedding_copy(adapter, self.base_weights), self.base_weights)
+        return with_dora_scales(adapter, self.base_weights)
 
     @property
     def pending(self) -> dict[str, PendingLoad]:
@@ -283,9 +291,10 @@ class AdapterCache:
 
 def adapter_bytes(adapter: LoraAdapter) -> int:
     """Host bytes of the factors, of DoRA's vectors (magnitude, out_scale, out_shift) and of the
-    embedding LoRA's factors."""
-    pairs = [*adapter.weights.values(), *([] if adapter.embedding is None else [adapter.embedding])]
-    return sum(
+    embedding and lm_head LoRA's factors and of its modules_to_save matrices."""
+    pairs = [*adapter.weights.values(), *(p for p in (adapter.embedding, adapter.lm_head) if p is not None)]
+    replaced = sum(t.numel() * t.element_size() for t in adapter.replacements.values())
+    return replaced + sum(
         t.numel() * t.element_size()
         for p in pairs
         for t in (p.a, p.b, p.magnitude, p.out_scale, p.out_shift)
@@ -303,9 +312,11 @@ def _pin_host_memory(adapter: LoraAdapter) -> LoraAdapter:
         )
         for k, p in adapter.weights.items()
     }
-    embedding = adapter.embedding
-    if embedding is not None:
-        embedding = LoraPair(embedding.a.pin_memory(), embedding.b.pin_memory(), embedding.scale)
-    return LoraAdapter(
-        rank_by_module=adapter.rank_by_module, max_rank=adapter.max_rank, weights=weights, embedding=embedding
+    embedding, lm_head = (
+        None if p is None else LoraPair(p.a.pin_memory(), p.b.pin_memory(), p.scale)
+        for p in (adapter.embedding, adapter.lm_head)
+    )
+    replacements = {name: t.pin_memory() for name, t in adapter.replacements.items()}
+    return dataclasses.replace(
+        adapter, weights=weights, embedding=embedding, lm_head=lm_head, replacements=replacements
     )

@@ -5,11 +5,16 @@ with the version: per (layer, module) rank, scale, kind and the relative size of
 default init saves lora_B = 0) and no DoRA module (a DoRA magnitude can rescale even with zero factors).
 No module matched and every target in an excluded layer are refused earlier (peft_targets.py). A delta
 below `NEGLIGIBLE` relative everywhere is accepted with a warning. An embedding LoRA is listed as layer -1,
-module "embed_tokens", kind "embedding" (its relative delta against the embedding matrix)."""
+module "embed_tokens", kind "embedding" (its relative delta against the embedding matrix); an lm_head LoRA as
+layer -1, module "lm_head", kind "lm_head" (against the served LM head); a modules_to_save copy as layer -1
+and its module (a norm under its layer; `model.norm` as "norm"), kind "modules_to_save", rank 0, scale 1,
+`delta_fro` = ||copy||_F and no relative delta (it replaces the module rather than adding to it; the base
+weights are not at hand at upload)."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 
 import torch
@@ -40,16 +45,28 @@ def coverage_report(
     )
     if adapter.embedding is not None:
         items.insert(0, ((EMBEDDING_LAYER, "embed_tokens"), adapter.embedding))
+    if adapter.lm_head is not None:
+        items.append(((EMBEDDING_LAYER, "lm_head"), adapter.lm_head))
     modules = []
     for (layer, module), pair in items:
         fro = delta_fro(pair.a, pair.b, pair.scale)
         norm = None if weight_norms is None else weight_norms.get((layer, module))
         relative = None if not norm else fro / norm
         kind = "dora" if pair.magnitude is not None or pair.out_scale is not None else "lora"
-        kind = "embedding" if layer == EMBEDDING_LAYER else kind
+        kind = ("embedding" if module == "embed_tokens" else module) if layer == EMBEDDING_LAYER else kind
         modules.append(ModuleCoverage(layer, module, kind, int(pair.a.shape[0]), pair.scale, fro, relative))
-    kinds = tuple(k for k in ("lora", "dora", "embedding") if any(m.kind == k for m in modules))
-    if all(m.delta_fro == 0.0 for m in modules) and "dora" not in kinds:
+    for key, matrix in adapter.replacements.items():
+        fro = float(torch.linalg.norm(matrix.double()))
+        found = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)  # a layer's norm: (layer, its name)
+        layer, module = (int(found.group(1)), found.group(2)) if found else (EMBEDDING_LAYER, key)
+        module = module.removeprefix("model.")  # model.norm -> "norm"
+        modules.append(ModuleCoverage(layer, module, "modules_to_save", 0, 1.0, fro, None))
+    kinds = tuple(
+        k
+        for k in ("lora", "dora", "embedding", "lm_head", "modules_to_save")
+        if any(m.kind == k for m in modules)
+    )
+    if all(m.delta_fro == 0.0 for m in modules) and "dora" not in kinds and not adapter.replacements:
         raise AdapterValidationError(
             f"the adapter changes nothing: scale * lora_B @ lora_A is zero in all {len(modules)} targeted "
             "modules (an untrained adapter: PEFT initialises lora_B to zeros)"

@@ -12,6 +12,8 @@ vectors computed here from the served base weights, which the kernels apply afte
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from adapters.format import LoraAdapter, LoraPair
@@ -44,10 +46,7 @@ def with_dora_scales(adapter: LoraAdapter, base: BaseWeights | None) -> LoraAdap
         bias = base.bias(layer, module)
         out_shift = None if bias is None else (1.0 - out_scale) * bias.detach().to("cpu", torch.float32)
         weights[(layer, module)] = LoraPair(pair.a, pair.b, pair.scale, None, out_scale, out_shift)
-    return LoraAdapter(
-        rank_by_module=adapter.rank_by_module, max_rank=adapter.max_rank, weights=weights,
-        embedding=adapter.embedding,
-    )  # fmt: skip
+    return dataclasses.replace(adapter, weights=weights)
 
 
 @torch.no_grad()

@@ -11,14 +11,15 @@ import re
 
 import torch
 
-from adapters.peft_targets import EMBEDDING_KEY
+from adapters.peft_targets import EMBEDDING_KEY, LM_HEAD_KEY
 from adapters.types import AdapterFormatError, AdapterValidationError, BaseModelShapes
 
 _PREFIX = "base_model.model."
 _LORA_TENSOR = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight")
 # PEFT's Embedding LoRA: lora_embedding_A [r, vocab], lora_embedding_B [hidden, r] (saved without ".weight").
 _EMBED_TENSOR = re.compile(r"(?P<module>.+)\.lora_embedding_(?P<which>[AB])(?:\.default)?(?:\.weight)?")
-# PEFT's default `save_embedding_layers="auto"` also saves the targeted embedding's full base weight.
+# PEFT's default `save_embedding_layers="auto"` also saves the targeted embedding's (or lm_head's) full
+# base weight.
 _EMBED_COPY_TENSOR = re.compile(r"(?P<module>.+)\.base_layer(?:\.default)?\.weight")
 _VELORA_TENSOR = re.compile(r"(?P<module>.+)\.lora_velora_embed(?:\.default)?")
 # DoRA's learned magnitude [out_features] (PEFT saves it without ".weight"; older files had ".default").
@@ -49,7 +50,7 @@ def split_tensors(
         found = _LORA_TENSOR.fullmatch(key) if name.startswith(_PREFIX) else None
         if found is None and name.startswith(_PREFIX):
             found = _EMBED_TENSOR.fullmatch(key)
-        if found is None and name.startswith(_PREFIX) and key == f"{EMBEDDING_KEY}.base_layer.weight":
+        if found is None and name.startswith(_PREFIX) and key in _BASE_COPIES:
             found = _EMBED_COPY_TENSOR.fullmatch(key)
         if found is None and dora and name.startswith(_PREFIX):
             found = _MAGNITUDE_TENSOR.fullmatch(key)
@@ -59,7 +60,7 @@ def split_tensors(
             what = next((why for frag, why in _KNOWN_REFUSED.items() if frag in name), "an unknown tensor")
             raise AdapterFormatError(
                 f"tensor {name!r} is {what}; expected only {_PREFIX}<module>.lora_A.weight / .lora_B.weight "
-                "(and .lora_embedding_A / _B on embed_tokens)"
+                "(and .lora_embedding_A / _B on embed_tokens, .lora_A / _B on lm_head)"
             )
         module = found.group("module")
         if module not in targets:
@@ -80,6 +81,7 @@ def split_tensors(
     return by_module
 
 
+_BASE_COPIES = (f"{EMBEDDING_KEY}.base_layer.weight", f"{LM_HEAD_KEY}.base_layer.weight")
 _FACTOR_NAMES = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector", "W": "base_layer.weight"}
 
 

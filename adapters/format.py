@@ -12,6 +12,7 @@ Pickle (`adapter_model.bin`) is never loaded. DoRA (`use_dora`, Liu et al. 2024,
 adds `...lora_magnitude_vector` [out_features] per module (checked here; the served scale needs the base
 weights and is computed at load, adapters/dora.py). Embedding LoRA on `embed_tokens`:
 `...lora_embedding_A` [r, vocab] and `...lora_embedding_B` [hidden, r] (`LoraAdapter.embedding`).
+lm_head LoRA: `lm_head.lora_A.weight` [r, hidden], `lm_head.lora_B.weight` [vocab, r] (`LoraAdapter.lm_head`).
 Anything else PEFT would apply differently from `W x + scale * B A x` on the seven projections is
 refused with an `AdapterFormatError` naming the field or tensor (see adapters/README.md).
 
@@ -23,7 +24,7 @@ checks shapes, finiteness and the overflow bound.
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,9 +41,11 @@ from adapters.factors import (
     split_tensors,
 )
 from adapters.files import WEIGHTS_NAME, AdapterFiles, read_adapter_files
+from adapters.lm_head import check_weight_tying, checked_head_copy, checked_lm_head
 from adapters.peft_fields import SUPPORTED_MODEL_TYPES, check_fields, check_type
 from adapters.peft_rank import parse_spec
-from adapters.peft_targets import EMBEDDING_TARGET, resolve_targets
+from adapters.peft_targets import EMBEDDING_TARGET, LM_HEAD_TARGET, resolve_targets
+from adapters.replacements import replaced_modules, take_replacements
 from adapters.safetensors_header import check_header, mapped_tensors
 from adapters.types import (
     FUSED_PROJECTIONS,
@@ -82,6 +85,13 @@ class LoraAdapter:
     # The base embedding PEFT saved beside it (save_embedding_layers), until the cache has checked it
     # equals the served one at load (adapters/embedding.py), which drops it.
     embedding_copy: torch.Tensor | None = None
+    # lm_head LoRA (lora_A [r, hidden] as `a`, lora_B [vocab, r] as `b`): each row's logits gain
+    # scale * b @ (a @ h); `lm_head_copy` is the base head PEFT saved beside it, dropped at load.
+    lm_head: LoraPair | None = None
+    lm_head_copy: torch.Tensor | None = None
+    # modules_to_save (adapters/replacements.py): "lm_head" / "embed_tokens" -> the adapter's own
+    # [vocab, hidden] matrix, which replaces the base module for its rows.
+    replacements: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -103,6 +113,7 @@ def parse_adapter(
     base: BaseModelShapes,
     dtype: torch.dtype = torch.float32,
     max_lora_rank: int | None = None,
+    max_replacement_bytes: int | None = None,
 ) -> LoraAdapter:
     """Check `files` against `base` and return the factors as `dtype` (see module docstring)."""
     if base.model_type in MOE_MODEL_TYPES:
@@ -119,6 +130,7 @@ def parse_adapter(
     use_dora = bool(check_type(files.config, "use_dora", (bool, type(None)), False))
     spec = parse_spec(files.config)
     targets = resolve_targets(files.config, base)
+    replaced = replaced_modules(files.config, base, targets)
     check_header(files.weights_bytes)
     try:
         if isinstance(files.weights_bytes, mmap.mmap):
@@ -127,9 +139,11 @@ def parse_adapter(
             tensors = load_safetensors(files.weights_bytes)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise AdapterFormatError(f"{WEIGHTS_NAME} could not be parsed: {exc}") from exc
+    check_weight_tying(files.config, tensors)
+    replacements = take_replacements(tensors, replaced, base, dtype, max_replacement_bytes)
     by_module = split_tensors(tensors, targets, base, spec.has_velora, dora=use_dora)
     weights: dict[tuple[int, str], LoraPair] = {}
-    embedding = embedding_copy = None
+    embedding = embedding_copy = lm_head = lm_head_copy = None
     for key, (layer, module) in targets.items():
         r, scale = spec.rank_and_scale(key)
         if max_lora_rank is not None and r > max_lora_rank:
@@ -138,6 +152,10 @@ def parse_adapter(
         if (layer, module) == EMBEDDING_TARGET:
             embedding = _embedding_pair(key, factors, r, scale, base, dtype, use_dora)
             embedding_copy = checked_embedding_copy(key, factors, base)
+            continue
+        if (layer, module) == LM_HEAD_TARGET:
+            lm_head = _lm_head_pair(key, factors, r, scale, base, dtype, use_dora)
+            lm_head_copy = checked_head_copy(key, factors, base)
             continue
         a, b = checked_factors(key, module, factors, r, base, dtype)
         check_delta_bound(key, a, b, scale, dtype)
@@ -148,10 +166,11 @@ def parse_adapter(
     for (_, module), pair in weights.items():
         ranks[module] = max(ranks.get(module, 0), pair.a.shape[0])
     rank_by_module = {m: ranks[m] for m in LORA_MODULES if m in ranks}
-    max_rank = max([*ranks.values(), 0 if embedding is None else embedding.a.shape[0]])
+    extra = [p.a.shape[0] for p in (embedding, lm_head) if p is not None]
+    max_rank = max([*ranks.values(), *extra])
     return LoraAdapter(
         rank_by_module=rank_by_module, max_rank=max_rank, weights=weights, embedding=embedding,
-        embedding_copy=embedding_copy,
+        embedding_copy=embedding_copy, lm_head=lm_head, lm_head_copy=lm_head_copy, replacements=replacements,
     )  # fmt: skip
 
 
@@ -167,6 +186,21 @@ def _embedding_pair(
         )
     a, b = checked_embedding(key, factors, r, base, dtype)
     check_embedding_bound(key, a, b, scale, dtype)
+    return LoraPair(a=a, b=b, scale=scale)
+
+
+def _lm_head_pair(
+    key: str, factors: dict[str, torch.Tensor], r: int, scale: float, base: BaseModelShapes,
+    dtype: torch.dtype, use_dora: bool,
+) -> LoraPair:  # fmt: skip
+    """The checked lm_head LoRA; DoRA on the LM head is refused (its norm would be per vocabulary row)."""
+    if use_dora:
+        raise AdapterFormatError(
+            f"use_dora with {key!r} targeted: DoRA on the LM head is not supported; expected use_dora "
+            "only with projections targeted"
+        )
+    a, b = checked_lm_head(key, factors, r, base, dtype)
+    check_delta_bound(key, a, b, scale, dtype)
     return LoraPair(a=a, b=b, scale=scale)
 
 
@@ -195,6 +229,10 @@ def load_adapter(
     base: BaseModelShapes,
     dtype: torch.dtype = torch.float32,
     max_lora_rank: int | None = None,
+    max_replacement_bytes: int | None = None,
 ) -> LoraAdapter:
     """Read a PEFT LoRA directory on CPU and check it against `base`; raises AdapterFormatError."""
-    return parse_adapter(read_adapter_files(adapter_dir), base=base, dtype=dtype, max_lora_rank=max_lora_rank)
+    return parse_adapter(
+        read_adapter_files(adapter_dir), base=base, dtype=dtype, max_lora_rank=max_lora_rank,
+        max_replacement_bytes=max_replacement_bytes,
+    )  # fmt: skip

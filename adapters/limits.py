@@ -25,3 +25,9 @@ def max_adapter_weights_bytes(base: BaseModelShapes, max_lora_rank: int) -> int:
     return (
         per_layer * base.num_layers * FP32_BYTES + HEADER_BASE_BYTES + num_tensors * HEADER_BYTES_PER_TENSOR
     )
+
+
+def max_replacement_file_bytes(base: BaseModelShapes, max_replacement_bytes: int) -> int:
+    """What legal `modules_to_save` copies (lm_head and embed_tokens, [vocab, hidden] each) add to the
+    file: both in fp32, but no more than twice their serving-dtype budget (an fp32 file of 16-bit copies)."""
+    return min(2 * base.vocab_size * base.hidden_size * FP32_BYTES, 2 * max_replacement_bytes)

@@ -23,7 +23,6 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
 REFUSED_WHEN_SET: dict[str, str] = {
     "use_qalora": "QA-LoRA pools the input before lora_A",
     "lora_bias": "a trained bias on lora_B",
-    "modules_to_save": "full trained copies of base modules",
     "trainable_token_indices": "trained embedding rows",
     "target_parameters": "LoRA on raw nn.Parameters, not on the projections",
     "layer_replication": "a different (replicated) layer stack",
@@ -42,7 +41,7 @@ _HARMLESS_INITS: tuple[str, ...] = ("gaussian", "eva", "orthogonal", "mica")
 APPLIED_FIELDS: frozenset[str] = frozenset(
     {"peft_type", "task_type", "r", "lora_alpha", "use_rslora", "target_modules", "exclude_modules"}
     | {"layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern", "bias", "init_lora_weights"}
-    | {"use_dora"}
+    | {"use_dora", "modules_to_save"}
 )
 IGNORED_FIELDS: frozenset[str] = frozenset(
     {"lora_dropout", "fan_in_fan_out", "inference_mode", "base_model_name_or_path", "revision"}

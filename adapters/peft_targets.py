@@ -3,7 +3,8 @@
 list matches exact names or `.`-suffixes, `exclude_modules` first, then `layers_to_transform` /
 `layers_pattern`. Tenant regexes are matched by RE2 (adapters/safe_regex.py); anything outside the
 model's projections (the seven, or Phi-3's fused qkv_proj, o_proj, gate_up_proj, down_proj) and the input
-embedding (`model.embed_tokens`, resolved to `EMBEDDING_TARGET`) is refused."""
+embedding (`model.embed_tokens`, resolved to `EMBEDDING_TARGET`) and the LM head (`lm_head`,
+`LM_HEAD_TARGET`) is refused."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ _PARENT |= {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 # The input embedding: LoRA on it is PEFT's `Embedding` layer (lora_embedding_A / _B), not a projection.
 EMBEDDING_KEY = "model.embed_tokens"
 EMBEDDING_TARGET: tuple[int, str] = (-1, "embed_tokens")
+# The output embedding: LoRA on it is PEFT's `Linear` on `lm_head` (lora_A [r, hidden], lora_B [vocab, r]).
+LM_HEAD_KEY = "lm_head"
+LM_HEAD_TARGET: tuple[int, str] = (-1, "lm_head")
 # Model types whose attention holds q_norm / k_norm modules (a pattern that selects them is refused).
 QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "gemma3_text")
 # Gemma 2 / 3 layers norm before and after both attention and the MLP.
@@ -196,21 +200,21 @@ def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
 
 def resolve_targets(cfg: dict[str, Any], base: BaseModelShapes) -> dict[str, tuple[int, str]]:
     """Module key -> (layer, projection) for every module PEFT would wrap with LoRA on this base model;
-    the input embedding maps to `EMBEDDING_TARGET`."""
+    the input embedding maps to `EMBEDDING_TARGET`, the LM head to `LM_HEAD_TARGET`."""
     targets = _parse_targets(cfg, base)
     resolved: dict[str, tuple[int, str]] = {}
     for key in module_keys(base):
         if not targets.matches(key):
             continue
-        if key == EMBEDDING_KEY:
-            resolved[key] = EMBEDDING_TARGET
+        if key in (EMBEDDING_KEY, LM_HEAD_KEY):
+            resolved[key] = EMBEDDING_TARGET if key == EMBEDDING_KEY else LM_HEAD_TARGET
             continue
         found = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)", key)
         if found is None or found.group(2) not in base.projections:
             raise AdapterFormatError(
                 f"target_modules={cfg.get('target_modules')!r} selects {key!r}, which is not one of the "
-                f"projections {base.projections} or {EMBEDDING_KEY!r}; LoRA on lm_head or other modules is "
-                "not supported"
+                f"projections {base.projections}, {EMBEDDING_KEY!r} or {LM_HEAD_KEY!r}; LoRA on norms or "
+                "other modules is not supported"
             )
         resolved[key] = (int(found.group(1)), found.group(2))
     if not resolved:

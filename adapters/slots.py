@@ -17,6 +17,8 @@ Embedding LoRA: `embedding[slot]` holds the slot's factors on the device as the 
 A^T [vocab, r] and B^T [r, hidden], written with the adapter and dropped when the slot is rewritten by
 one without (not preallocated: most adapters have none, and a vocab-sized stack per slot would cost
 every slot). Their bytes are the adapter's, counted by the cache (adapters/cache.py `adapter_bytes`).
+lm_head LoRA likewise: `lm_head[slot]` holds A [r, hidden] and B [vocab, r] as F.linear takes them; and
+modules_to_save: `replacements[slot]` holds the adapter's own [vocab, hidden] lm_head / embed_tokens.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ class ProjectionSlots:
 class EmbeddingSlot:
     a_t: torch.Tensor  # [vocab, r]: row t is lora_embedding_A[:, t]
     b_t: torch.Tensor  # [r, hidden]: lora_embedding_B transposed
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSlot:
+    a: torch.Tensor  # [r, hidden]: lora_A of lm_head
+    b: torch.Tensor  # [vocab, r]: lora_B of lm_head
     scale: float
 
 
@@ -93,6 +102,9 @@ class SlotPool:
                 )
             self.layers.append(per_proj)
         self.embedding: dict[int, EmbeddingSlot] = {}  # slot -> its adapter's embedding LoRA, if any
+        self.lm_head: dict[int, HeadSlot] = {}  # slot -> its adapter's lm_head LoRA, if any
+        # slot -> {"lm_head" | "embed_tokens": [vocab, hidden]} of its adapter's modules_to_save, if any
+        self.replacements: dict[int, dict[str, torch.Tensor]] = {}
         # Device memory the slot tensors hold (all slots, used or not); fixed for the pool's life.
         self.num_bytes = self.bytes_per_slot(base, max_rank, dtype) * num_slots
 
@@ -116,6 +128,17 @@ class SlotPool:
                 e.a.to(self.device, non_blocking=True).T.contiguous(),
                 e.b.to(self.device, non_blocking=True).T.contiguous(),
                 e.scale,
+            )
+        self.lm_head.pop(slot, None)
+        self.replacements.pop(slot, None)
+        if adapter.replacements:
+            self.replacements[slot] = {
+                name: t.to(self.device, non_blocking=True) for name, t in adapter.replacements.items()
+            }
+        if adapter.lm_head is not None:
+            h = adapter.lm_head
+            self.lm_head[slot] = HeadSlot(
+                h.a.to(self.device, non_blocking=True), h.b.to(self.device, non_blocking=True), h.scale
             )
         for layer, per_proj in enumerate(self.layers):
             for packed, modules in PACKED_PROJECTIONS.items():

@@ -79,6 +79,10 @@ class BaseWeights(Protocol):
         """[vocab, hidden] of the input embedding."""
         ...
 
+    def lm_head(self) -> torch.Tensor:
+        """[vocab, hidden] of the LM head (the input embedding itself on a tied model)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class AdapterRef:
@@ -107,9 +111,9 @@ class AdapterValidationError(AdapterFormatError):
 
 @dataclass(frozen=True, slots=True)
 class ModuleCoverage:
-    layer: int  # -1 for the input embedding
-    module: str  # one of LORA_MODULES, or "embed_tokens"
-    kind: str  # "lora" | "dora" | "embedding"
+    layer: int  # -1 for the input embedding and the LM head
+    module: str  # one of LORA_MODULES, or "embed_tokens" / "lm_head"
+    kind: str  # "lora" | "dora" | "embedding" | "lm_head"
     rank: int
     scale: float
     delta_fro: float  # ||scale * B A||_F
@@ -126,7 +130,7 @@ class CoverageReport:
         """The stored and served form: modules grouped per layer."""
         layers: dict[str, dict[str, Any]] = {}
         for m in self.modules:
-            layers.setdefault("embed_tokens" if m.layer < 0 else str(m.layer), {})[m.module] = {
+            layers.setdefault(m.module if m.layer < 0 else str(m.layer), {})[m.module] = {
                 "kind": m.kind, "rank": m.rank, "scale": m.scale, "delta_fro": m.delta_fro,
                 "relative_delta": m.relative_delta,
             }  # fmt: skip

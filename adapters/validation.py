@@ -19,6 +19,7 @@ from adapters.composition import check_composition
 from adapters.coverage import coverage_report
 from adapters.files import read_adapter_files
 from adapters.format import parse_adapter
+from adapters.replacements import DEFAULT_MAX_REPLACEMENT_BYTES
 from adapters.types import AdapterSummary, AdapterValidationError, BaseModelShapes
 
 __all__ = ["validate_adapter"]
@@ -34,12 +35,14 @@ def validate_adapter(
     max_size_bytes: int,
     dtype: torch.dtype = torch.float32,
     weight_norms: Mapping[tuple[int, str], float] | None = None,
+    max_replacement_bytes: int | None = DEFAULT_MAX_REPLACEMENT_BYTES,
 ) -> AdapterSummary:
     """Check an adapter directory on CPU; raises AdapterFormatError (or a subclass) naming the cause.
 
     `dtype` is the dtype the engine will serve the factors in: values must stay finite after the cast.
     `weight_norms` (||W||_F per (layer, module) of the served model) give the coverage report's relative
-    deltas; an adapter that changes nothing is refused (adapters/coverage.py).
+    deltas; an adapter that changes nothing is refused (adapters/coverage.py). `max_replacement_bytes`
+    bounds its modules_to_save matrices in `dtype` (adapters/replacements.py).
     """
     if dtype not in _SERVING_DTYPES:
         raise AdapterValidationError(
@@ -50,7 +53,10 @@ def validate_adapter(
     # Mapped, not read: validation copies no weight byte into memory (an upload never costs its size in RAM).
     files = read_adapter_files(Path(adapter_dir), max_size_bytes=max_size_bytes, mapped=True)
     try:
-        adapter = parse_adapter(files, base=base, dtype=dtype, max_lora_rank=max_lora_rank)
+        adapter = parse_adapter(
+            files, base=base, dtype=dtype, max_lora_rank=max_lora_rank,
+            max_replacement_bytes=max_replacement_bytes,
+        )  # fmt: skip
         check_composition(adapter.weights, base, dtype)
         summary = AdapterSummary(
             ranks=dict(adapter.rank_by_module),

@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     max_loras: int = Field(4, ge=1)
     max_cpu_loras: int = Field(16, ge=1)
+    # Per adapter: bytes of its modules_to_save matrices (lm_head / embed_tokens) in the serving dtype.
+    max_replacement_bytes: int = Field(2 << 30, ge=0)
     max_lora_rank: int = Field(64, ge=1)
     seed: int = 0
 
@@ -137,6 +139,9 @@ class Settings(BaseSettings):
     replica_id: str | None = None  # None = "<hostname>-<pid>" in a fleet
     # Reproducible answers: every request runs batch-invariant, as `deterministic: true` asks.
     deterministic: bool = False
+    # Speculative decoding (base_engine/speculative/): "ngram" or None (off); drafts per request and step.
+    speculative: str | None = None
+    num_speculative_tokens: int = Field(4, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -202,10 +207,13 @@ class Settings(BaseSettings):
             seed=self.seed,
             max_loras=self.max_loras,
             max_cpu_loras=self.max_cpu_loras,
+            max_replacement_bytes=self.max_replacement_bytes,
             max_lora_rank=self.max_lora_rank,
             deterministic=self.deterministic,  # the engine refuses to start where it cannot keep it
             quantization=self.quantization,
             priority_aging_s=self.priority_aging_s,
+            speculative=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 

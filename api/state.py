@@ -150,4 +150,5 @@ class AppState:
             max_size_bytes=self.upload_limits.weights_bytes,
             dtype=self.engine.dtype if self.settings.dtype == "auto" else DTYPES[self.settings.dtype],
             weight_norms=self.engine.base_weight_norms,
+            max_replacement_bytes=self.settings.max_replacement_bytes,
         )

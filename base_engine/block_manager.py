@@ -98,9 +98,10 @@ class BlockManager:
         """Attach cached blocks for seq's prompt prefix; returns the number of tokens found.
 
         Called once, when a sequence without computed tokens is admitted. At least one prompt token
-        is always left to compute, so the step produces logits for it.
+        is always left to compute, so the step produces logits for it. A request that asks for prompt
+        logprobs computes every position (base_engine/prompt_logprobs.py); its blocks are still published.
         """
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
             return 0
         num_full = (seq.num_tokens - 1) // self.block_size
         parent = prefix_root(seq)

@@ -15,6 +15,11 @@ grow with the output and the text is what a full ``tokenizer.decode`` gives.
   request only once more than ``min_tokens`` tokens were generated; the text read before is still fed to
   the automaton, so a stop that spans the boundary matches.
 
+``spaces_between_special_tokens`` (vLLM's option, default true) is the text the tokenizer's own
+decoder writes; false (with special tokens kept) writes an added token that follows another added
+token as its bare content, without the space a decoder such as WordPiece puts between tokens, as
+vLLM's fast incremental detokenizer does. Byte-level BPE and Metaspace decoders put no space there.
+
 Text once decoded is never taken back. A byte-fallback decoder (``<0xNN>`` tokens) that meets an
 invalid run of bytes turns the whole run into U+FFFD, rewriting characters decoded before; only for
 such invalid output can the stream differ from a full decode.
@@ -71,6 +76,12 @@ class Detokenizer:
         self._num_chars = 0
         self._unsent: list[str] = []  # text not yet returned by take_delta
         self._stop: str | None = None
+        # spaces_between_special_tokens=False: added token id -> content; None when the decoder's text is kept
+        self._added: dict[int, str] | None = None
+        if not params.spaces_between_special_tokens and not params.skip_special_tokens:
+            decoder = getattr(tokenizer, "added_tokens_decoder", {})
+            self._added = {token_id: token.content for token_id, token in decoder.items()}
+        self._is_last_added = False  # the previous output token is an added token
 
     @property
     def text(self) -> str:
@@ -93,11 +104,22 @@ class Detokenizer:
             raise RuntimeError(f"update() after stop string {self._stop!r} matched: the request has finished")
         self._token_ids.extend(new_token_ids)
         self._num_output += len(new_token_ids)
+        bare = self._bare_added(new_token_ids)
         window_text, read_text = self._decode_window()
-        if window_text.endswith(_REPLACEMENT_CHAR) or len(window_text) <= len(read_text):
+        if bare is None and (window_text.endswith(_REPLACEMENT_CHAR) or len(window_text) <= len(read_text)):
             return None  # an incomplete character (or nothing new yet): wait for more tokens
         self._advance()
-        return self._append(window_text[len(read_text) :])
+        return self._append(window_text[len(read_text) :] if bare is None else bare)
+
+    def _bare_added(self, new_token_ids: Sequence[int]) -> str | None:
+        """With spaces_between_special_tokens=False: the content of an added token that follows another
+        (written without the decoder's space before it), else None."""
+        if self._added is None:
+            return None
+        content = self._added.get(new_token_ids[-1]) if len(new_token_ids) == 1 else None
+        is_after_added = self._is_last_added
+        self._is_last_added = content is not None
+        return content if content is not None and is_after_added else None
 
     def take_delta(self, *, is_final: bool = False) -> str:
         """New text safe to stream since the last call.

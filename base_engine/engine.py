@@ -27,18 +27,21 @@ from base_engine.model.int8 import quantize_int8
 from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
 from base_engine.outputs import ITERATION_TOKEN_BUCKETS, NON_FINITE, EngineStats, RequestOutput
-from base_engine.postprocess import finish_output, step_output, stop_reason
+from base_engine.postprocess import check_stop, finish_output, step_output
 from base_engine.priority import PriorityPolicy
+from base_engine.prompt_logprobs import record as record_prompt_logprobs
 from base_engine.runner.cuda_graphs import DecodeGraphs
 from base_engine.runner.device import check_device, resolve_dtype
 from base_engine.runner.host import set_intra_op_threads
 from base_engine.runner.kv_sizing import plan_memory
 from base_engine.runner.model_runner import ModelRunner, allocate_kv_caches
 from base_engine.runner.step import StepBatch, StepResult
+from base_engine.runner.weight_sizing import check_model_fits
 from base_engine.sampler import Sampler
 from base_engine.sampling_params import SamplingParams
 from base_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from base_engine.sequence import Sequence, SequenceStatus
+from base_engine.speculative.draft_model import DraftModelProposer, draft_dir
 from base_engine.speculative.rows import group_rows, sampling_rows
 from base_engine.speculative.speculator import Speculator, parse_speculative
 from base_engine.speculative.verify import accepted_tokens
@@ -68,6 +71,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        check_model_fits(self.model_config, self.dtype, self.device)
         model = load_model(self.model_dir, self.model_config, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu" and self.dtype != torch.float32:
             model.keep_float32_logits()
@@ -95,6 +99,7 @@ class LLMEngine:
             max_loras=self.config.max_loras,
             max_lora_rank=self.config.max_lora_rank,
             max_cpu_loras=self.config.max_cpu_loras,
+            max_replacement_bytes=self.config.max_replacement_bytes,
             max_wait_s=self.config.max_wait_s,
             dtype=self.dtype,
             device=self.device,
@@ -124,7 +129,9 @@ class LLMEngine:
         self.speculator = (
             None
             if method is None
-            else Speculator(method, self.config.num_speculative_tokens, self.max_model_len)
+            else Speculator(
+                method, self.config.num_speculative_tokens, self.max_model_len, self._drafter(method)
+            )
         )
         self.determinism = Determinism(
             model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
@@ -142,6 +149,12 @@ class LLMEngine:
         # Outputs of the step in progress, appended as they are made: when a step raises, the finals
         # of the requests it already finished are still here to be delivered.
         self.step_outputs: list[RequestOutput] = []
+
+    def _drafter(self, method: str) -> DraftModelProposer | None:
+        path = draft_dir(method)
+        if path is None:
+            return None
+        return DraftModelProposer(path, self.model_config, self.tokenizer, device=self.device)
 
     @cached_property
     def base_weight_norms(self) -> dict[tuple[int, str], float]:
@@ -285,6 +298,8 @@ class LLMEngine:
         for item, ok in zip(batch.order, is_finite, strict=True):
             if not ok:
                 outputs.append(self._fail_non_finite(item.seq))
+        if batch.prompt is not None and result.prompt is not None:  # before the first token's output
+            record_prompt_logprobs(batch.prompt, result.prompt)
         for item in sched.scheduled:
             if item.seq.is_finished or item.drafts:
                 continue  # failed above (freed, never published), or verified below
@@ -376,9 +391,10 @@ class LLMEngine:
             seq.output_logprobs.append(logprobs)
         detok = self.detokenizers[seq.request_id]
         matched_stop = detok.update([token_id])
-        reason = stop_reason(seq, token_id, matched_stop, self.eos_token_ids, self.max_model_len)
-        if reason is not None:
-            return self._finish(seq, reason)
+        stop = check_stop(seq, token_id, matched_stop, self.eos_token_ids, self.max_model_len)
+        if stop is not None:
+            seq.stop_reason = stop.reason
+            return self._finish(seq, stop.status)
         return step_output(seq, detok, token_id, logprobs)
 
     def _overflow(self, seq: Sequence) -> RequestOutput:
@@ -415,4 +431,5 @@ class LLMEngine:
             adapters=self.lora.stats(self.scheduler.running, self.scheduler.waiting),
             iteration_token_counts=tuple(self.iteration_token_counts),
             iteration_tokens_sum=self.iteration_tokens_sum,
+            spec_decode={} if self.speculator is None else self.speculator.stats.snapshot(),
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from base_engine.speculative.speculator import parse_speculative
+
 # Share of memory the KV pool takes when `kv_cache_memory_fraction` is None: on CUDA of the free device
 # memory after the weights and adapter slots; on the CPU of the host memory still available, which the
 # weights' page cache, the adapter host tier, the tokenizer and other processes also draw on.
@@ -47,6 +49,8 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int = 16
+    # Per adapter: bytes of its modules_to_save matrices (lm_head / embed_tokens) in the serving dtype.
+    max_replacement_bytes: int = 2 << 30
     lora_memory_fraction: float = 0.1
     # A waiting request older than this is admitted before younger ones whatever its adapter or tenant.
     max_wait_s: float = 5.0
@@ -61,7 +65,7 @@ class EngineConfig:
     quantization: str | None = None
     # A waiting request gains one priority level per this many seconds (base_engine/priority.py); 0 = off.
     priority_aging_s: float = 30.0
-    # Speculative decoding (base_engine/speculative/): "ngram" or None (off); drafts per step.
+    # Speculative decoding (base_engine/speculative/): "ngram", "draft:<dir>" or None (off); drafts per step.
     speculative: str | None = None
     num_speculative_tokens: int = 4
 
@@ -90,6 +94,10 @@ class EngineConfig:
             raise ValueError(refusal)
         if self.attention not in ("auto", "paged", "buckets"):
             raise ValueError(f"attention={self.attention!r}, expected 'auto', 'paged' or 'buckets'")
+        parse_speculative(self.speculative)  # refuses an unknown method by name
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            k = self.num_speculative_tokens
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "

@@ -20,6 +20,7 @@ from adapters.cache import AdapterCache
 from adapters.loader import Fetch
 from adapters.slots import SlotPool
 from adapters.types import LORA_MODULES, AdapterRef, BaseModelShapes, BaseWeights
+from base_engine.lora_heads import HeadGroup, add_lm_head, apply_norm, head_groups, replace_embedding
 from base_engine.lora_policy import LoraAdmissionPolicy
 from base_engine.model.decoder import PACKED, CausalLM
 from base_engine.outputs import AdapterCacheStats, AdapterRequests
@@ -78,6 +79,9 @@ class ModelWeights:
     def embedding(self) -> torch.Tensor:
         return self.model.model.embed_tokens.weight.detach()
 
+    def lm_head(self) -> torch.Tensor:
+        return self.model.lm_head.weight.detach()
+
     @torch.no_grad()
     def frobenius_norms(self) -> dict[tuple[int, str], float]:
         """||W||_F in float64 per (layer, checkpoint projection), and of the input embedding as
@@ -89,6 +93,7 @@ class ModelWeights:
         }
         embedding = self.model.model.embed_tokens.weight.detach()
         norms[(-1, "embed_tokens")] = float(torch.linalg.norm(embedding.double()))
+        norms[(-1, "lm_head")] = float(torch.linalg.norm(self.lm_head().double()))
         return norms
 
 
@@ -126,6 +131,21 @@ class LoraStepBatch:
             if multiplier is not None:
                 delta = delta * multiplier
             x.index_add_(0, rows, delta.to(x.dtype))
+
+    def add_lm_head(
+        self, logits: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, invariant: bool
+    ) -> None:
+        add_lm_head(self.pool, self.token_slots, self.step_slots, logits, hidden, rows, invariant)
+
+    def head_groups(self, rows: torch.Tensor) -> list[HeadGroup]:
+        return head_groups(self.pool, self.token_slots, self.step_slots, rows)
+
+    def replace_embedding(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
+        replace_embedding(self.pool, self.meta, self.step_slots, input_ids, x)
+
+    def apply_norm(self, norm: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.pool.replacements:
+            apply_norm(self.pool, self.meta, self.step_slots, norm, x, y)
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         slots = self.pool.layers[layer][projection]
@@ -282,6 +302,7 @@ def make_lora_manager(
     device: torch.device,
     fetch: Fetch | None,
     base_weights: BaseWeights | None = None,
+    max_replacement_bytes: int | None = None,
 ) -> LoraManager:
     """The adapter cache over the base model's shapes and its admission policy (given to the scheduler).
 
@@ -296,5 +317,6 @@ def make_lora_manager(
         dtype=dtype,
         device=device,
         base_weights=base_weights,
+        max_replacement_bytes=max_replacement_bytes,
     )
     return LoraManager(cache, LoraAdmissionPolicy(cache, max_wait_s=max_wait_s))

@@ -19,6 +19,14 @@ class RequestMetrics:
     priority: int = 0  # its priority class as submitted (lower = more urgent; base_engine/priority.py)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptTokenLogprobs:
+    """vLLM's prompt logprobs of one prompt token (base_engine/prompt_logprobs.py)."""
+
+    logprobs: dict[int, float]  # the prompt token's own first, then the top-N alternatives
+    rank: int  # 1-based rank of the prompt token in its distribution (1 + the tokens scored higher)
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -29,7 +37,10 @@ class RequestOutput:
     new_text: str = ""  # text safe to stream since the previous output (never half a UTF-8 char)
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it, else None
     logprobs: list[dict[int, float]] | None = None  # per generated token, when asked
+    # Per prompt token (the first None), when asked: on the first token's output and the final one.
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
     error_kind: str | None = None  # NON_FINITE: the request's own values overflowed; None: other causes
@@ -82,6 +93,22 @@ class AdapterCacheStats:
     recent_activate_seconds: tuple[float, ...] = ()  # the latest host -> slot copies' durations
 
 
+@dataclass(frozen=True, slots=True)
+class SpecDecodeCounts:
+    """Speculative decoding's cumulative counts for one adapter (vLLM's `spec_decode_*` names): requests'
+    steps that carried drafts, the draft tokens scored, those accepted, and per draft position the
+    drafts whose token there was accepted. Acceptance rate = accepted / draft tokens."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return None if self.num_draft_tokens == 0 else self.num_accepted_tokens / self.num_draft_tokens
+
+
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 
 
@@ -100,6 +127,8 @@ class EngineStats:
     # ITERATION_TOKEN_BUCKETS (upper bounds, inclusive), then the count above the last; and their sum.
     iteration_token_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    # Speculative decoding per adapter name as clients send it ("" = the base model); empty when off.
+    spec_decode: dict[str, SpecDecodeCounts] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

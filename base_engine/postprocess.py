@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from base_engine.detokenizer import Detokenizer
-from base_engine.outputs import RequestMetrics, RequestOutput
+from base_engine.outputs import PromptTokenLogprobs, RequestMetrics, RequestOutput
 from base_engine.sequence import Sequence, SequenceStatus
 
 
-def stop_reason(
+class Stop(NamedTuple):
+    status: SequenceStatus  # a finished status
+    reason: str | int | None = None  # vLLM's `stop_reason`: the stop string or stop token id; None for EOS
+
+
+def check_stop(
     seq: Sequence, token_id: int, matched_stop: str | None, eos_token_ids: frozenset[int], max_model_len: int
-) -> SequenceStatus | None:
+) -> Stop | None:
+    """Whether `token_id` ends the request, and what ended it (checked in vLLM's order: EOS before the
+    request's stop token ids, so an EOS id also listed in `stop_token_ids` reports None)."""
     params = seq.params
     if matched_stop is not None:
-        return SequenceStatus.FINISHED_STOPPED
+        return Stop(SequenceStatus.FINISHED_STOPPED, matched_stop)
     if seq.num_output_tokens < params.min_tokens:  # as vLLM: no EOS / stop token ends it before min_tokens
-        return SequenceStatus.FINISHED_LENGTH if seq.num_tokens >= max_model_len else None
+        return Stop(SequenceStatus.FINISHED_LENGTH) if seq.num_tokens >= max_model_len else None
     if token_id in eos_token_ids and not params.ignore_eos:
-        return SequenceStatus.FINISHED_STOPPED
+        return Stop(SequenceStatus.FINISHED_STOPPED)
     if token_id in params.stop_token_set:
-        return SequenceStatus.FINISHED_STOPPED
+        return Stop(SequenceStatus.FINISHED_STOPPED, token_id)
     if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
-        return SequenceStatus.FINISHED_LENGTH
+        return Stop(SequenceStatus.FINISHED_LENGTH)
     return None
 
 
@@ -37,7 +46,13 @@ def step_output(
         new_text=detok.take_delta(),
         new_logprobs=[logprobs] if logprobs is not None else [],
         num_cached_tokens=seq.num_cached_tokens,
+        prompt_logprobs=_prompt_logprobs(seq) if seq.num_output_tokens == 1 else None,
     )
+
+
+def _prompt_logprobs(seq: Sequence) -> list[PromptTokenLogprobs | None] | None:
+    """vLLM's layout: one entry per prompt token, the first None (it has no distribution)."""
+    return None if seq.params.prompt_logprobs is None else [None, *seq.prompt_logprobs]
 
 
 def finish_output(seq: Sequence, detok: Detokenizer) -> RequestOutput:
@@ -64,7 +79,9 @@ def finish_output(seq: Sequence, detok: Detokenizer) -> RequestOutput:
         new_text=new_text,
         new_logprobs=seq.output_logprobs[-1:] if new_token_ids and seq.output_logprobs else [],
         finish_reason=seq.status.finish_reason,
+        stop_reason=seq.stop_reason,
         logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+        prompt_logprobs=_prompt_logprobs(seq),
         num_cached_tokens=seq.num_cached_tokens,
         error=seq.error,
         error_kind=seq.error_kind,

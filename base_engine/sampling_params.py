@@ -59,11 +59,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: top-N per prompt token (base_engine/prompt_logprobs.py)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's detokenizer option (base_engine/detokenizer.py)
     include_stop_str_in_output: bool = False
     # Batch-invariant execution: this request's tokens and logprobs are bitwise the same
     # whatever else shares its steps. A step that holds such a request runs the fixed-order kernels.
     deterministic: bool = False
+    # Speculative decoding may score drafts for this request (base_engine/speculative/); False opts out.
+    # Either way its tokens are the same: speculation only changes how many are computed per step.
+    speculative: bool = True
     # Constrained decoding (base_engine/constraints.py): this request's own grammar matcher, which masks
     # its row of the logits before each draw. One request per object (it holds the request's state).
     constraint: Any = None
@@ -90,10 +95,15 @@ class SamplingParams:
             _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX, f"in [{_SEED_MIN}, {_SEED_MAX}] or None")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None:
+            allowed = f"in [0, {MAX_LOGPROBS}] or None"
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, allowed)
         if self.constraint is not None and not all(
             callable(getattr(self.constraint, m, None)) for m in ("sync", "accept", "fill_mask")
         ):
             raise ValueError(f"constraint must be a GrammarConstraint, got {type(self.constraint).__name__}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         _check_logit_rules(self)
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)

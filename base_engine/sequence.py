@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from adapters.types import AdapterRef
+from base_engine.outputs import PromptTokenLogprobs
 from base_engine.sampling_params import SamplingParams
 
 
@@ -57,6 +58,8 @@ class Sequence:
     cache_salt: bytes = b""  # per-tenant secret mixed into prefix-cache keys (cross-tenant isolation)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Prompt tokens 1.. scored so far, when params.prompt_logprobs is set (base_engine/prompt_logprobs.py)
+    prompt_logprobs: list[PromptTokenLogprobs] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -64,6 +67,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this sequence's full blocks
     seed: int | None = None  # counter-based sampling seed (base_engine/seeded_uniform.py); None: shared
+    stop_reason: str | int | None = None  # RequestOutput.stop_reason, set when it finishes
     error: str | None = None
     error_kind: str | None = None  # RequestOutput.error_kind
     times: SequenceTimes = field(default_factory=SequenceTimes)

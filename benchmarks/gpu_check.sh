@@ -5,6 +5,7 @@
 #   sgmv_grid        tests/kernels/test_gpu.py: SGMV compiled at Llama shapes vs the float64 oracle
 #   attention_grid   tests/kernels/test_attention_gpu.py: paged attention compiled at model shapes,
 #                    poisoned stale slots, no host sync, CUDA-graph replay vs eager
+#   moe_grid         tests/kernels/test_moe_gpu.py: the grouped MoE GEMM at Qwen3-MoE / Mixtral shapes
 #   engine_gpu       gpu-marked tests under tests/base_engine (the engine oracle vs transformers on CUDA,
 #                    decode-graph replay with changing adapter sets vs eager): "no_tests" until they exist;
 #                    loads the suite's conftest, so the test dependencies must be installed there
@@ -117,6 +118,7 @@ PYEOF
 PYTEST=("$PY" -m pytest -q -m gpu -p no:cacheprovider)
 part sgmv_grid pytest 150 "${PYTEST[@]}" --noconftest tests/kernels/test_gpu.py "$@"
 part attention_grid pytest 150 "${PYTEST[@]}" --noconftest tests/kernels/test_attention_gpu.py "$@"
+part moe_grid pytest 90 "${PYTEST[@]}" --noconftest tests/kernels/test_moe_gpu.py "$@"
 part engine_gpu pytest 90 "${PYTEST[@]}" tests/base_engine
 part paged_attention json 90 "$PY" benchmarks/paged_attention.py --json --repeats 20
 part sgmv_bandwidth json 90 "$PY" benchmarks/sgmv.py --json --backends triton --repeats 5

@@ -1,4 +1,5 @@
-"""Decode throughput at batch 32: no adapter, one shared adapter, 32 distinct adapters, 32 distinct DoRA.
+"""Decode throughput at batch 32: no adapter, one shared adapter, 32 distinct adapters, 32 distinct DoRA,
+32 distinct adapters each with its own `modules_to_save` lm_head.
 
     python benchmarks/lora_overhead.py --json                   # bench-small
     python benchmarks/lora_overhead.py --model smollm2 --json   # the default served model
@@ -11,6 +12,8 @@ burst of load from other work on a shared machine hit all three cases alike, and
 steps it hit hardest. Targets: one_over_base >= 0.85, distinct_over_base >= 0.70, and 32 distinct DoRA
 adapters vs 32 distinct plain ones dora_over_lora >= 0.9 (same factors plus the per-slot output scale).
 Prints the bytes read per decode step (base weights + the distinct adapters' factors) with each figure.
+`heads_over_shared`: the 32 distinct adapters, each also with its own lm_head copy (modules_to_save), vs
+the same adapters sharing the base head, with `bytes_per_step_heads` (32 heads read instead of one).
 """
 
 from __future__ import annotations
@@ -29,6 +32,29 @@ from benchmarks.lora_workload import make_lora_adapters  # noqa: E402
 
 BATCH = 32
 PROMPT_LEN = 32
+HEAD = "base_model.model.lm_head.weight"  # PEFT's name for a modules_to_save copy of lm_head
+
+
+def with_own_heads(dirs: list[Path], root: Path, head) -> list[Path]:
+    """Copies of `dirs`, each with its own lm_head (`head` [vocab, hidden] plus noise) in modules_to_save."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = []
+    for i, d in enumerate(dirs):
+        target = shutil.copytree(d, root / d.name)
+        weights = target / "adapter_model.safetensors"
+        tensors = load_file(str(weights))
+        noise = torch.randn(head.shape, generator=torch.Generator().manual_seed(i)) * 0.01
+        tensors[HEAD] = (head.float() + noise).contiguous()
+        save_file(tensors, str(weights))
+        config = json.loads((target / "adapter_config.json").read_text())
+        config["modules_to_save"] = ["lm_head"]
+        (target / "adapter_config.json").write_text(json.dumps(config))
+        out.append(target)
+    return out
 
 
 def start_decoding(engine, refs: list, num_steps: int) -> None:
@@ -73,11 +99,15 @@ def main() -> None:
         dora_dirs = make_lora_adapters(model_dir, Path(tmp) / "dora", num=BATCH, rank=16, dora=True)
         config = EngineConfig(max_num_seqs=BATCH, max_loras=BATCH, max_cpu_loras=BATCH, max_lora_rank=16,
                               num_kv_blocks=BATCH * ((PROMPT_LEN + args.steps + 8) // 16 + 2))  # fmt: skip
-        names = ("base", "one", "distinct", "dora")
+        names = ("base", "one", "distinct", "dora", "heads")
         engines = {name: LLMEngine(model_dir, dtype=args.dtype, config=config) for name in names}
+        head = engines["base"].runner.model.lm_head.weight.detach()
+        head_dirs = with_own_heads(dirs, Path(tmp) / "heads", head)
         refs = [engines["one"].lora.local_ref(d) for d in dirs]
         dora_refs = [engines["dora"].lora.local_ref(d) for d in dora_dirs]
-        cases = {"base": [None] * BATCH, "one": [refs[0]] * BATCH, "distinct": refs, "dora": dora_refs}
+        head_refs = [engines["heads"].lora.local_ref(d) for d in head_dirs]
+        cases = {"base": [None] * BATCH, "one": [refs[0]] * BATCH, "distinct": refs, "dora": dora_refs,
+                 "heads": head_refs}  # fmt: skip
         for name, engine in engines.items():
             start_decoding(engine, cases[name], args.steps)
         times = interleaved_step_seconds(engines, args.steps)
@@ -90,6 +120,7 @@ def main() -> None:
         )  # embedding rows
         dtype_name = str(engines["base"].dtype).removeprefix("torch.")
         adapter_bytes = sum((d / "adapter_model.safetensors").stat().st_size for d in dirs)
+        head_bytes = head.numel() * head.element_size()  # each row's own head read, not the shared one
     result = {
         "benchmark": "lora-overhead", "model": args.model, "dtype": dtype_name,
         "batch": BATCH, "rank": 16, "threads": threads,
@@ -100,6 +131,9 @@ def main() -> None:
         "dora_tok_s": round(tok_s["dora"], 2), "dora_over_lora": round(tok_s["dora"] / tok_s["distinct"], 3),
         "bytes_per_step_base": base_bytes, "bytes_per_step_one": base_bytes + adapter_bytes // BATCH,
         "bytes_per_step_distinct": base_bytes + adapter_bytes,
+        "heads_tok_s": round(tok_s["heads"], 2),
+        "heads_over_shared": round(tok_s["heads"] / tok_s["distinct"], 3),
+        "bytes_per_step_heads": base_bytes + adapter_bytes + (BATCH - 1) * head_bytes,
     }  # fmt: skip
     print(json.dumps(result))
 

@@ -43,8 +43,9 @@ def _header(obj: Any, data: bytes = b"") -> bytes:
     return len(header).to_bytes(8, "little") + header + data
 
 
-_HEAD = "base_model.model.lm_head.modules_to_save.weight"
-_EMBED = "base_model.model.model.embed_tokens.modules_to_save.weight"
+# PEFT saves a modules_to_save copy under the module's own name.
+_HEAD = "base_model.model.lm_head.weight"
+_EMBED = "base_model.model.model.embed_tokens.weight"
 
 
 def _first(ts: dict[str, torch.Tensor], value: float) -> dict[str, torch.Tensor]:

@@ -135,6 +135,16 @@ def serve(
             "`deterministic: false` is overruled) [default: per request]",
         ),
     ] = None,
+    speculative: Annotated[
+        str | None,
+        typer.Option(
+            help="speculative decoding: ngram (prompt lookup; the same tokens, fewer steps) [default: off]"
+        ),
+    ] = None,
+    num_speculative_tokens: Annotated[
+        int | None,
+        typer.Option(help=f"most draft tokens per request and step {_default('num_speculative_tokens')}"),
+    ] = None,
     fleet: Annotated[
         bool | None,
         typer.Option(
@@ -215,6 +225,12 @@ def serve(
         check_device(settings.device)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from None
+    from base_engine.speculative.speculator import parse_speculative
+
+    try:
+        parse_speculative(settings.speculative)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--speculative") from None
     from api.app import run_server
     from api.bootstrap import StartError, banner, build_state
 

@@ -111,6 +111,10 @@ class LogprobFormatter:
     def token(self, token_id: int) -> str:
         return self._lookup(token_id)[0]
 
+    def text(self, token_id: int) -> str:
+        """The token decoded alone (special tokens kept)."""
+        return self._lookup(token_id)[1]
+
     def completion(
         self, token_ids: list[int], logprobs: list[dict[int, float]], text_offset: int = 0
     ) -> dict[str, Any]:
@@ -158,9 +162,19 @@ def response_body(ctx: RequestContext, choices: list[dict[str, Any]], usage: Usa
 
 
 def completion_choice(
-    index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None
+    index: int,
+    text: str,
+    reason: str | None,
+    logprobs: dict[str, Any] | None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(reason),
+        "stop_reason": stop_reason,  # vLLM's: the stop string or stop token id that ended it
+    }
 
 
 def chat_choice(
@@ -169,6 +183,7 @@ def chat_choice(
     reason: str | None,
     logprobs: dict[str, Any] | None,
     tool_calls: list[dict[str, Any]] | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:
@@ -178,10 +193,15 @@ def chat_choice(
         "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason(reason),
+        "stop_reason": stop_reason,
     }
 
 
-def chunk_body(ctx: RequestContext, choices: list[dict[str, Any]], *, include_usage: bool) -> dict[str, Any]:
+def chunk_body(
+    ctx: RequestContext, choices: list[dict[str, Any]], *, include_usage: bool, usage: Usage | None = None
+) -> dict[str, Any]:
+    """`usage`: the usage so far (vLLM's continuous_usage_stats), else null as the spec has it on
+    every chunk but the last."""
     body: dict[str, Any] = {
         "id": ctx.request_id,
         "object": _OBJECTS[ctx.kind][1],
@@ -190,7 +210,7 @@ def chunk_body(ctx: RequestContext, choices: list[dict[str, Any]], *, include_us
         "choices": choices,
     }
     if include_usage:
-        body["usage"] = None  # the spec: null on every chunk but the last
+        body["usage"] = usage.to_dict() if usage is not None else None
     return body
 
 
@@ -209,12 +229,19 @@ def chunk_choice(
     *,
     role: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     if ctx.kind == "completion":
-        return completion_choice(index, text, reason, logprobs)
+        return completion_choice(index, text, reason, logprobs, stop_reason)
     delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {}
     if text and not role:
         delta["content"] = text
     if tool_calls:
         delta["tool_calls"] = tool_calls
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(reason),
+        "stop_reason": stop_reason,
+    }

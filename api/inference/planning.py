@@ -17,8 +17,10 @@ from sqlalchemy.orm import Session
 from api.context import Caller, RequestContext, RequestKind, new_request_id
 from api.errors import APIError, model_not_found
 from api.inference.adapter_fetch import AdapterFetch, StoreUnreachable, adapter_unavailable
+from api.inference.echo import EchoPrompt, echo_prompts
 from api.inference.limits import check_fan_out_and_stops, check_logprob_entries
 from api.inference.logit_fields import logit_rule_options, refuse_beam_search, truncate_prompt
+from api.inference.prompt_logprobs import check_prompt_logprobs
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from api.inference.provenance import request_provenance
 from api.inference.sampling import (
@@ -54,6 +56,9 @@ class GenerationPlan:
     num_top_logprobs: int | None  # None = no logprobs asked
     tools: ToolPlan | None = None  # chat with `tools`: how to parse the output (api/inference/tools.py)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    echo: list[EchoPrompt] | None = None  # per prompt, what its choices start with (api/inference/echo.py)
+    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs asked (api/inference/prompt_logprobs.py)
     is_started: bool = False  # running began: from then on it reports every engine request's end
 
 
@@ -84,13 +89,15 @@ def plan_generation(
     check_fan_out_and_stops(body, num_prompts=num_prompts, limits=inference.limits)
     engine = inference.engine
     adapter = resolve_model(model_name=inference.model_name, session=session, caller=caller, model=body.model)
-    tools = None
+    tools, echo = None, None
     if isinstance(body, ChatCompletionRequest):
         tools = plan_tools(body, engine.tokenizer, override=inference.tool_call_parser)
-        prompts = [encode_chat_prompt(engine.tokenizer, body, tools, engine.max_model_len)]
+        encoded = [encode_chat_prompt(engine.tokenizer, body, tools, engine.max_model_len)]
     else:
-        prompts = encode_completion_prompts(engine, body)
-    prompts = [truncate_prompt(p, body, engine.max_model_len) for p in prompts]
+        encoded = encode_completion_prompts(engine, body)
+    prompts = [truncate_prompt(p, body, engine.max_model_len) for p in encoded]
+    if isinstance(body, CompletionRequest):
+        echo = echo_prompts(body, encoded, prompts, engine.tokenizer)
     grammar = request_grammar(engine, body, tools)  # compiled here, in this worker thread
     ctx = RequestContext(
         request_id=new_request_id(kind),
@@ -139,8 +146,13 @@ def plan_generation(
         limits=inference.limits,
         param="top_logprobs" if is_chat else "logprobs",
     )
+    check_prompt_logprobs(body, num_prompt_tokens=ctx.num_prompt_tokens, limits=inference.limits)
     plan = GenerationPlan(ctx, requests, bool(body.stream), include_usage, top, tools)
     plan.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+    options = body.stream_options
+    plan.continuous_usage = bool(include_usage and options and options.continuous_usage_stats)
+    plan.echo = echo
+    plan.num_prompt_logprobs = body.prompt_logprobs
     return plan
 
 

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI endpoints (openai/openai-openapi `CreateCompletionRequest`,
 `CreateChatCompletionRequest`) plus vLLM's sampling extensions (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `spaces_between_special_tokens`,
 `include_stop_str_in_output`, `chat_template_kwargs`, `min_tokens`, `allowed_token_ids`, `bad_words`,
 `truncate_prompt_tokens`, `return_tokens_as_token_ids`; OpenAI's `logit_bias`: api/inference/logit_fields.py)
 and our `deterministic` (batch-invariant,
@@ -53,10 +53,10 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far on every chunk (with include_usage)
     include_obfuscation: bool | None = None
 
-    @field_validator("continuous_usage_stats", "include_obfuscation")
+    @field_validator("include_obfuscation")
     @classmethod
     def _off(cls, value: bool | None, info: Any) -> bool | None:
         if value:
@@ -84,9 +84,12 @@ class _SamplingFields(_Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: StrictBool | None = None  # base_engine/detokenizer.py
     include_stop_str_in_output: bool | None = None
     # Batch-invariant execution: true or false only ("yes", 1 -> 400 naming the field).
     deterministic: StrictBool | None = None
+    # Ours: false opts this request out of speculative decoding (its tokens are the same either way).
+    speculative: StrictBool | None = None
     # vLLM's priority (lower = more urgent); default and most urgent allowed: the tenant's
     # (api/tenancy/priority.py)
     priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX, strict=True)
@@ -97,6 +100,7 @@ class _SamplingFields(_Strict):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     return_tokens_as_token_ids: bool | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # api/inference/prompt_logprobs.py
     # vLLM's structured output fields (api/inference/guided.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -115,12 +119,12 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt leads each choice's text (api/inference/echo.py)
     best_of: int | None = None
     suffix: str | None = None
     response_format: dict[str, Any] | None = None  # as on chat (a vLLM extension here)
 
-    @field_validator("echo", "best_of", "suffix")
+    @field_validator("best_of", "suffix")
     @classmethod
     def _refused(cls, value: Any, info: Any) -> Any:
         if value not in (None, False):

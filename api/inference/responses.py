@@ -23,7 +23,9 @@ from api.context import RequestContext, Usage, compute_usage
 from api.errors import APIError
 from api.inference import formatting as fmt
 from api.inference.adapter_fetch import AdapterFetch, adapter_unavailable
+from api.inference.echo import echo_logprobs
 from api.inference.planning import GenerationPlan
+from api.inference.prompt_logprobs import vllm_prompt_logprobs
 from api.inference.running import RequestTimeout
 from api.inference.tools import finish_reason as tool_finish_reason
 from api.inference.tools import message_fields as tool_fields
@@ -116,19 +118,44 @@ def response_body(*, tokenizer: Any, plan: GenerationPlan, finals: list[RequestO
     logprobs = fmt.LogprobFormatter(tokenizer, plan.num_top_logprobs or 0, as_token_ids=plan.tokens_as_ids)
     choices = []
     for index, out in enumerate(finals):
+        if ctx.kind != "chat":
+            choices.append(_completion_choice(plan, logprobs, index, out))
+            continue
         lp = None
         if plan.num_top_logprobs is not None and out.logprobs is not None:
-            if ctx.kind == "chat":
-                lp = logprobs.chat(out.token_ids, out.logprobs)
-            else:
-                lp = logprobs.completion(out.token_ids, out.logprobs)
-        if ctx.kind == "chat":
-            content, calls = tool_fields(plan.tools, out.text)
-            reason = tool_finish_reason(plan.tools, out.finish_reason, len(calls or ()))
-            choices.append(fmt.chat_choice(index, content, reason, lp, calls))
-        else:
-            choices.append(fmt.completion_choice(index, out.text, out.finish_reason, lp))
-    return fmt.response_body(ctx, choices, compute_usage(finals, n=ctx.n))
+            lp = logprobs.chat(out.token_ids, out.logprobs)
+        content, calls = tool_fields(plan.tools, out.text)
+        reason = tool_finish_reason(plan.tools, out.finish_reason, len(calls or ()))
+        choices.append(fmt.chat_choice(index, content, reason, lp, calls, out.stop_reason))
+    body = fmt.response_body(ctx, choices, compute_usage(finals, n=ctx.n))
+    if ctx.kind == "chat" and plan.num_prompt_logprobs is not None:  # one prompt: beside the choices
+        body["prompt_logprobs"] = _prompt_logprobs(plan, logprobs, finals[0])
+    return body
+
+
+def _completion_choice(
+    plan: GenerationPlan, logprobs: fmt.LogprobFormatter, index: int, out: RequestOutput
+) -> dict[str, Any]:
+    """A completion choice: with `echo` its prompt first (text and logprobs), with `prompt_logprobs`
+    vLLM's per-choice list."""
+    echo = plan.echo[index // plan.ctx.n] if plan.echo else None
+    lp = None
+    if plan.num_top_logprobs is not None and out.logprobs is not None:
+        lp = logprobs.completion(out.token_ids, out.logprobs, len(echo.text) if echo else 0)
+        if echo is not None:
+            lp = echo_logprobs(logprobs, echo, out.prompt_token_ids, out.prompt_logprobs or [], lp)
+    text = echo.text + out.text if echo else out.text
+    choice = fmt.completion_choice(index, text, out.finish_reason, lp, out.stop_reason)
+    if plan.num_prompt_logprobs is not None:
+        choice["prompt_logprobs"] = _prompt_logprobs(plan, logprobs, out)
+    return choice
+
+
+def _prompt_logprobs(
+    plan: GenerationPlan, logprobs: fmt.LogprobFormatter, out: RequestOutput
+) -> list[dict[str, dict[str, Any]] | None]:
+    assert plan.num_prompt_logprobs is not None and out.prompt_logprobs is not None
+    return vllm_prompt_logprobs(logprobs, out.prompt_logprobs, plan.num_prompt_logprobs)
 
 
 def _sent_usage(ctx: RequestContext, sent: list[int], cached: dict[int, int]) -> Usage:
@@ -139,6 +166,33 @@ def _sent_usage(ctx: RequestContext, sent: list[int], cached: dict[int, int]) ->
         completion_tokens=sum(sent),
         cached_tokens=sum(cached.get(i, 0) for i in range(0, len(sent), ctx.n)),
     )
+
+
+def _new_logprobs(
+    plan: GenerationPlan, logprobs: fmt.LogprobFormatter, out: RequestOutput, text_offset: int
+) -> dict[str, Any] | None:
+    """The logprobs of the tokens an output streams, when asked."""
+    if plan.num_top_logprobs is None or not out.new_logprobs:
+        return None
+    if plan.ctx.kind == "chat":
+        return logprobs.chat(out.new_token_ids, out.new_logprobs)
+    return logprobs.completion(out.new_token_ids, out.new_logprobs, text_offset)
+
+
+def _echoed(
+    plan: GenerationPlan,
+    logprobs: fmt.LogprobFormatter,
+    index: int,
+    out: RequestOutput,
+    text: str,
+    lp: dict[str, Any] | None,
+) -> tuple[str, dict[str, Any] | None]:
+    """A choice's first chunk with `echo`: its prompt first, in the text and (asked) the logprobs."""
+    assert plan.echo is not None
+    echo = plan.echo[index // plan.ctx.n]
+    if plan.num_top_logprobs is not None:
+        lp = echo_logprobs(logprobs, echo, out.prompt_token_ids, out.prompt_logprobs or [], lp)
+    return echo.text + text, lp
 
 
 async def stream_events(
@@ -153,16 +207,22 @@ async def stream_events(
     """The SSE events of a streaming request from `outputs` (the running plan's (choice, output) pairs)."""
     ctx = plan.ctx
     logprobs = fmt.LogprobFormatter(tokenizer, plan.num_top_logprobs or 0, as_token_ids=plan.tokens_as_ids)
-    offsets = [0] * len(plan.requests)
+    # text offsets of each choice's next token: with echo, generated text follows the prompt's
+    offsets = [len(plan.echo[i // ctx.n].text) if plan.echo else 0 for i in range(len(plan.requests))]
     finals: dict[int, RequestOutput] = {}
     parsers = [plan.tools.parser() for _ in plan.requests] if plan.tools and plan.tools.parses else None
-    if ctx.kind == "chat":
-        for index in range(len(plan.requests)):
-            choice = fmt.chunk_choice(ctx, index, "", None, None, role=True)
-            yield fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage))
     error: APIError | None = None
     sent = [0] * len(plan.requests)  # completion tokens handed to the client, per choice
     cached: dict[int, int] = {}
+    echoed: set[int] = set()  # choices whose prompt was streamed (echo)
+
+    def chunk(choice: dict[str, Any]) -> str:
+        usage = _sent_usage(ctx, sent, cached) if plan.continuous_usage else None
+        return fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage, usage=usage))
+
+    if ctx.kind == "chat":
+        for index in range(len(plan.requests)):
+            yield chunk(fmt.chunk_choice(ctx, index, "", None, None, role=True))
     try:
         async for index, out in outputs:
             if out.finished:
@@ -172,23 +232,24 @@ async def stream_events(
                 if ctx.abort_reason == "shutdown":
                     continue  # the drain aborts every choice: their ends make the usage chunk exact
                 break
-            lp = None
-            if plan.num_top_logprobs is not None and out.new_logprobs:
-                if ctx.kind == "chat":
-                    lp = logprobs.chat(out.new_token_ids, out.new_logprobs)
-                else:
-                    lp = logprobs.completion(out.new_token_ids, out.new_logprobs, offsets[index])
+            lp = _new_logprobs(plan, logprobs, out, offsets[index])
             offsets[index] += len(out.new_text)
             text, reason, calls = out.new_text, out.finish_reason, None
             if parsers is not None:  # tool calls: content and whole calls as they complete
                 parser = parsers[index]
                 text, calls = parser.feed(out.new_text, final=out.finished)
                 reason = tool_finish_reason(plan.tools, reason, parser.num_calls)
-            if text or calls or out.finished or lp is not None:
-                choice = fmt.chunk_choice(ctx, index, text, reason, lp, tool_calls=calls)
-                yield fmt.sse(fmt.chunk_body(ctx, [choice], include_usage=plan.include_usage))
-            sent[index] += len(out.new_token_ids)
+            if plan.echo and index not in echoed:  # the prompt leads the choice's first chunk
+                text, lp = _echoed(plan, logprobs, index, out, text, lp)
+                echoed.add(index)
+            sent[index] += len(out.new_token_ids)  # counted in this chunk's usage (continuous_usage)
             cached[index] = out.num_cached_tokens
+            if text or calls or out.finished or lp is not None:
+                yield chunk(
+                    fmt.chunk_choice(
+                        ctx, index, text, reason, lp, tool_calls=calls, stop_reason=out.stop_reason
+                    )
+                )
             meter.progress(ctx, _sent_usage(ctx, sent, cached))  # after the yield: the client has them
     except RequestTimeout:
         error = error or timeout_error(timeout_s)

@@ -75,6 +75,7 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     allow_json_whitespace: StrictBool | None = None  # ours, as on chat
+    speculative: StrictBool | None = None  # ours, as on chat
 
     @field_validator("store")
     @classmethod
@@ -193,6 +194,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "user": body.user,
         "seed": body.seed,
         "allow_json_whitespace": body.allow_json_whitespace,
+        "speculative": body.speculative,
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

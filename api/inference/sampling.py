@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from api.errors import APIError
+from api.inference.prompt_logprobs import engine_prompt_logprobs
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from api.inference.tools import ToolPlan, template_messages, template_tools
 from base_engine.model.token_bound import least_tokens
@@ -219,7 +220,16 @@ def check_stream_options(body: CompletionRequest | ChatCompletionRequest) -> boo
             param="stream_options",
             code="invalid_value",
         )
-    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats and not include_usage:
+        # vLLM ignores it then; here it would change nothing, so it is refused rather than ignored.
+        raise APIError(
+            400,
+            "`stream_options.continuous_usage_stats` needs `stream_options.include_usage: true`.",
+            param="stream_options.continuous_usage_stats",
+            code="invalid_value",
+        )
+    return include_usage
 
 
 def sampling_params(
@@ -261,10 +271,13 @@ def sampling_params(
         "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos,
         "logprobs": _logprobs(body),
+        "prompt_logprobs": engine_prompt_logprobs(body),
         "skip_special_tokens": False if keep_special_tokens else body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "constraint": constraint,
         "deterministic": deterministic or bool(body.deterministic),
+        "speculative": body.speculative,
         **(rules or {}),
     }
     for key, value in (defaults or {}).items():

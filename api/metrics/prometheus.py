@@ -39,6 +39,7 @@ from api.metrics.series import (
     ResidencySeries,
     VllmSeries,
 )
+from api.metrics.spec_decode import SpecDecodeMetrics
 from api.metrics.window import RecentStats
 from base_engine.outputs import AdapterCacheStats, EngineStats, RequestOutput
 
@@ -92,6 +93,7 @@ class Metrics:
         self.own = LoraserveSeries(self.registry, self.tenant_registry)
         self.iteration_tokens = IterationTokens(self.registry, model_name)  # api/metrics/iteration_tokens.py
         self.residency = ResidencyMetrics(ResidencySeries(self.registry, model_name), model_name)
+        self.spec_decode = SpecDecodeMetrics(self.registry, model_name)  # api/metrics/spec_decode.py
 
     # ---- updates ------------------------------------------------------------------------------
 
@@ -171,6 +173,7 @@ class Metrics:
             v.prefix_queries.update(stats.num_prefix_queries)
             v.prefix_hits.update(stats.num_prefix_hits)
             self.iteration_tokens.update(stats.iteration_token_counts, stats.iteration_tokens_sum)
+            self.spec_decode.update(stats.spec_decode)
             self._update_adapters(stats.adapters, disk_count, disk_bytes)
             self.recent.sample(stats)
 

@@ -28,7 +28,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from adapters.files import PICKLE_ADVICE
-from adapters.limits import max_adapter_weights_bytes
+from adapters.limits import max_adapter_weights_bytes, max_replacement_file_bytes
 from adapters.types import BaseModelShapes
 from api.errors import APIError
 from api.settings import Settings
@@ -61,6 +61,7 @@ class UploadLimits:
 def upload_limits(settings: Settings, base: BaseModelShapes) -> UploadLimits:
     """The body and weights limits for this base model and `max_lora_rank` (see the module docstring)."""
     weights = max_adapter_weights_bytes(base, settings.max_lora_rank)
+    weights += max_replacement_file_bytes(base, settings.max_replacement_bytes)
     body = settings.max_upload_bytes or weights + MAX_CONFIG_BYTES + _FORM_OVERHEAD_BYTES
     return UploadLimits(
         body_bytes=body,

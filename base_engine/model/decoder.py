@@ -18,6 +18,7 @@ from base_engine.invariant import invariant_linear
 from base_engine.model.config import ModelConfig
 from base_engine.model.gemma import GemmaDecoderLayer, GemmaRMSNorm, embed_scale, softcap
 from base_engine.model.moe import SparseMoeBlock
+from base_engine.model.norm_rows import normed
 from base_engine.model.rope import apply_rope
 from base_engine.runner.attention import AttentionMetadata, attend, write_kv
 
@@ -45,6 +46,24 @@ class LoraBatch(Protocol):
 
     def add_embedding(self, input_ids: torch.Tensor, x: torch.Tensor, multiplier: float | None) -> None:
         """Adds each row's embedding-LoRA delta (rows whose adapter has one) to the looked-up `x`."""
+        ...
+
+    def add_lm_head(
+        self, logits: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, invariant: bool
+    ) -> None:
+        """Adds the lm_head-LoRA delta to `logits` (of `hidden`, the step rows `rows`) where it applies."""
+        ...
+
+    def head_groups(self, rows: torch.Tensor) -> list:
+        """The sampled rows per LM-head matrix (`lora_heads.HeadGroup`s); [] when all use the base's."""
+        ...
+
+    def replace_embedding(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
+        """Rows whose adapter has its own embed_tokens (modules_to_save) read it instead of the base's."""
+        ...
+
+    def apply_norm(self, norm: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Rows whose adapter has its own copy of `norm` (modules_to_save): y[rows] = copy(x[rows])."""
         ...
 
 
@@ -102,7 +121,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         if self.q_norm is not None and self.k_norm is not None:  # after the LoRA deltas, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = normed(self.q_norm, q, lora), normed(self.k_norm, k, lora)
         q = apply_rope(q, *cos_sin)
         k = apply_rope(k, *cos_sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -153,8 +172,8 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LoraBatch | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora, meta.invariant)
+        x = x + self.self_attn(normed(self.input_layernorm, x, lora), cos_sin, kv_cache, meta, lora)
+        return x + self.mlp(normed(self.post_attention_layernorm, x, lora), lora, meta.invariant)
 
 
 def _mlp(config: ModelConfig, layer: int) -> nn.Module:
@@ -195,6 +214,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        for name, module in self.named_modules():  # PEFT's module keys, for modules_to_save on norms
+            if isinstance(module, (RMSNorm, GemmaRMSNorm)):
+                module.peft_key = name
         # A float32 copy of the LM head when the CPU serves a 16-bit dtype (`keep_float32_logits`).
         self.head_float32: torch.Tensor | None = None
 
@@ -216,6 +238,8 @@ class CausalLM(nn.Module):
         local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,  # windowed layers' (Gemma 3)
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        if lora is not None:
+            lora.replace_embedding(input_ids, x)
         multiplier = None
         if self.config.gemma_layout:
             multiplier = embed_scale(self.config.hidden_size, x.dtype)
@@ -225,22 +249,42 @@ class CausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             is_local = local_cos_sin is not None and layer.self_attn.window is not None
             x = layer(x, local_cos_sin if is_local else cos_sin, kv_cache, meta, lora)
-        return self.model.norm(x)
+        return normed(self.model.norm, x, lora)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32."""
+    def logits(
+        self,
+        hidden: torch.Tensor,
+        invariant: bool = False,
+        lora: LoraBatch | None = None,
+        rows: torch.Tensor | None = None,  # the step rows of `hidden`, for the LoRA slots
+    ) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32 (with each row's lm_head LoRA, before the soft-cap)."""
         weight = self.lm_head.weight  # [vocab, hidden]
         if self.head_float32 is not None:
             hidden, weight = hidden.float(), self.head_float32
-        vocab = weight.shape[0]
-        linear = invariant_linear if invariant else F.linear
+        groups = [] if lora is None or rows is None else lora.head_groups(rows)
+        if not groups:
+            out = _head(hidden, weight, invariant)
+        else:  # modules_to_save: each adapter's rows through its own head, the rest through the base's
+            out = hidden.new_empty(hidden.shape[0], weight.shape[0])
+            for picked, own in groups:
+                head = weight if own is None else own.to(hidden.dtype)
+                out.index_copy_(0, picked, _head(hidden.index_select(0, picked), head, invariant))
         cap = self.config.final_logit_softcapping
-        if hidden.device.type != "cpu" or vocab <= LOGITS_CHUNK:
-            out = linear(hidden, weight)
-        else:
-            out = hidden.new_empty(hidden.shape[0], vocab)
-            for start in range(0, vocab, LOGITS_CHUNK):
-                out[:, start : start + LOGITS_CHUNK] = linear(hidden, weight[start : start + LOGITS_CHUNK])
+        if lora is not None and rows is not None:
+            lora.add_lm_head(out, hidden, rows, invariant)
         # Capped in the model dtype, as transformers does, then widened.
         return (out if cap is None else softcap(out, cap)).float()
+
+
+def _head(hidden: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """hidden [N, hidden] @ weight [vocab, hidden]^T, in LOGITS_CHUNK vocabulary chunks on CPU."""
+    vocab = weight.shape[0]
+    linear = invariant_linear if invariant else F.linear
+    if hidden.device.type != "cpu" or vocab <= LOGITS_CHUNK:
+        return linear(hidden, weight)
+    out = hidden.new_empty(hidden.shape[0], vocab)
+    for start in range(0, vocab, LOGITS_CHUNK):
+        out[:, start : start + LOGITS_CHUNK] = linear(hidden, weight[start : start + LOGITS_CHUNK])
+    return out

@@ -20,6 +20,8 @@ import functools
 import torch
 from torch import nn
 
+from base_engine.model.norm_rows import normed
+
 
 class GemmaRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight): the checkpoint stores the scale minus one (zeros = identity)."""
@@ -49,10 +51,10 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden_size, eps)
 
     def forward(self, x: torch.Tensor, cos_sin, kv_cache, meta, lora) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, lora)
-        x = x + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(x), lora, meta.invariant)
-        return x + self.post_feedforward_layernorm(mlp)
+        attn = self.self_attn(normed(self.input_layernorm, x, lora), cos_sin, kv_cache, meta, lora)
+        x = x + normed(self.post_attention_layernorm, attn, lora)
+        mlp = self.mlp(normed(self.pre_feedforward_layernorm, x, lora), lora, meta.invariant)
+        return x + normed(self.post_feedforward_layernorm, mlp, lora)
 
 
 @functools.cache

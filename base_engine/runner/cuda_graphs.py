@@ -135,6 +135,10 @@ class DecodeGraphs:
             return None
         if self.lora_pool is not None and any(s in self.lora_pool.embedding for s in slots):
             return None  # an embedding LoRA's gather runs per slot on the host's segments: eager
+        if self.lora_pool is not None and any(s in self.lora_pool.lm_head for s in slots):
+            return None  # an lm_head LoRA picks its rows per slot (a host read): eager
+        if self.lora_pool is not None and any(s in self.lora_pool.replacements for s in slots):
+            return None  # modules_to_save: rows grouped per adapter's own head / embedding: eager
         if bucket.lora_meta is not None and len({s for s in slots if s >= 0}) > bucket.lora_meta.max_segments:
             return None
         self._fill(bucket, order, slots)

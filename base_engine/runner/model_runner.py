@@ -13,10 +13,12 @@ import torch
 from base_engine.model.config import ModelConfig
 from base_engine.model.decoder import CausalLM, LoraBatch
 from base_engine.model.rope import RopeCache
+from base_engine.prompt_logprobs import PromptRows, prompt_positions, score
 from base_engine.runner.attention import AttentionMetadata, PrefillChunk, chunk_mask, paged_with_window
 from base_engine.runner.decode_buckets import DecodeBucket, build_decode_buckets, build_token_buckets
 from base_engine.runner.step import StepBatch, StepResult
 from base_engine.scheduler import ScheduledSeq, SchedulerOutput
+from base_engine.sequence import Sequence
 from kernels.attention import build_paged_meta
 
 
@@ -88,6 +90,9 @@ class ModelRunner:
         local_chunks: list[PrefillChunk] = []  # the same chunks under local_window's masks
         bs = self.block_size
         decode_rows: list[int] = []
+        prompt_rows: list[int] = []  # rows scored for prompt logprobs (position p scores token p + 1)
+        prompt_targets: list[int] = []
+        prompt_owners: list[Sequence] = []
         for index, item in enumerate(order):
             seq, start, n = item.seq, item.start, item.num_new_tokens
             row = len(input_ids)
@@ -105,6 +110,10 @@ class ModelRunner:
                 sample_rows += range(row + n - num_sampled, row + n)
                 sampled += [item] * num_sampled
                 sampled_seq += [index] * num_sampled
+            positions_scored = prompt_positions(seq, start, n)
+            prompt_rows += (row + pos - start for pos in positions_scored)
+            prompt_targets += seq.prompt_token_ids[positions_scored.start + 1 : positions_scored.stop + 1]
+            prompt_owners += [seq] * len(positions_scored)
             if _is_decode(item):
                 decode_rows.append(row)
             elif not self.use_paged and not invariant:
@@ -139,7 +148,16 @@ class ModelRunner:
             row_slots=row_slots,
             seq_of_row=host(seq_of_row),
             sampled_seq=host(sampled_seq),
+            prompt=self._prompt_rows(prompt_rows, prompt_targets, prompt_owners),
         )
+
+    def _prompt_rows(self, rows: list[int], targets: list[int], owners: list[Sequence]) -> PromptRows | None:
+        if not rows:
+            return None
+        num_top = max(seq.params.prompt_logprobs or 0 for seq in owners)
+        host = torch.tensor([rows, targets], dtype=torch.long, device="cpu")
+        on_device = self.to_device(host)
+        return PromptRows(rows=on_device[0], targets=on_device[1], owners=owners, num_top=num_top)
 
     def _meta(
         self,
@@ -246,7 +264,19 @@ class ModelRunner:
         cos_sin = self.rope(batch.positions, batch.max_position)
         local = None if self.local_rope is None else self.local_rope(batch.positions, batch.max_position)
         hidden = self.model(batch.input_ids, cos_sin, self.kv_caches, batch.meta, lora, local)
-        logits = self.model.logits(hidden.index_select(0, batch.sample_rows), batch.meta.invariant)
+        rows = batch.sample_rows
+        logits = self.model.logits(hidden.index_select(0, rows), batch.meta.invariant, lora, rows)
+        prompt = None
+        if batch.prompt is not None:
+            invariant, prompt_rows, done = batch.meta.invariant, batch.prompt.rows, [0]
+
+            def prompt_logits(h: torch.Tensor) -> torch.Tensor:
+                # `score` hands the rows over in order, in blocks: each block's step rows, for the
+                # adapters' own heads (lm_head LoRA, modules_to_save) as on the sampled rows.
+                begin, done[0] = done[0], done[0] + h.shape[0]
+                return self.model.logits(h, invariant, lora, prompt_rows[begin : done[0]])
+
+            prompt = score(prompt_logits, hidden.index_select(0, prompt_rows), batch.prompt)
         # A row's own K/V feed its own attention, so a NaN/Inf written to the cache at any layer shows
         # in that row's final hidden state; logits can still overflow on their own. A row sum is NaN/Inf
         # iff a value is (or the finite values' sum overflows fp32, ~1e34 each: broken all the same),
@@ -259,7 +289,7 @@ class ModelRunner:
         # flags back; on the CPU that read is free and spares a pass over the logits.
         if logits.device.type != "cpu" or not bool(is_finite.all()):
             logits.masked_fill_(~is_finite.index_select(0, batch.sampled_seq).unsqueeze(1), 0.0)
-        return StepResult(logits, is_finite)
+        return StepResult(logits, is_finite, prompt)
 
 
 def allocate_kv_caches(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from base_engine.prompt_logprobs import PromptRows, PromptScores
 from base_engine.runner.attention import AttentionMetadata
 from base_engine.scheduler import ScheduledSeq
 
@@ -25,6 +26,7 @@ class StepBatch:
     seq_of_row: torch.Tensor  # [T] int64 on the device: index into `order` of each row's request
     sampled_seq: torch.Tensor  # [num_sampled] int64 on the device: index into `order`
     graph_bucket: int | None = None  # decode-only step held in this CUDA graph's static buffers
+    prompt: PromptRows | None = None  # rows scored for prompt logprobs (never in a graph's decode step)
 
     @property
     def num_seqs(self) -> int:
@@ -36,3 +38,4 @@ class StepBatch:
 class StepResult:
     logits: torch.Tensor  # [num_sampled, vocab] fp32, rows of batch.sampled (zeros where not finite)
     is_finite: torch.Tensor  # [len(order)] bool on the device: no NaN/Inf in the request's rows
+    prompt: PromptScores | None = None  # of batch.prompt's rows

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from base_engine.outputs import SpecDecodeCounts
 from base_engine.sequence import Sequence
 from base_engine.speculative.ngram import NgramProposer
+
+
+class Proposer(Protocol):
+    def propose(self, tokens: Tokens[int], k: int) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -23,6 +30,20 @@ class SpecStats:
     num_drafts: Counter[str] = field(default_factory=Counter)
     num_draft_tokens: Counter[str] = field(default_factory=Counter)
     num_accepted_tokens: Counter[str] = field(default_factory=Counter)
+    # adapter -> [drafts whose token at position 0 was accepted, at position 1, ...]
+    num_accepted_tokens_per_pos: dict[str, list[int]] = field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, SpecDecodeCounts]:
+        """A frozen copy for `EngineStats` (read by other threads while the engine goes on counting)."""
+        return {
+            name: SpecDecodeCounts(
+                num_drafts=self.num_drafts[name],
+                num_draft_tokens=self.num_draft_tokens[name],
+                num_accepted_tokens=self.num_accepted_tokens[name],
+                num_accepted_tokens_per_pos=tuple(self.num_accepted_tokens_per_pos.get(name, ())),
+            )
+            for name in sorted(self.num_drafts)
+        }
 
     def acceptance(self, adapter: str) -> float | None:
         drafted = self.num_draft_tokens[adapter]
@@ -30,22 +51,24 @@ class SpecStats:
 
 
 def parse_speculative(spec: str | None) -> str | None:
-    """None, "ngram"; anything else is refused by name."""
+    """None, "ngram", "draft:<dir>"; anything else is refused by name."""
     if spec in (None, "", "off"):
         return None
-    if spec == "ngram":
+    if spec == "ngram" or (spec.startswith("draft:") and len(spec) > len("draft:")):
         return spec
-    raise ValueError(f"speculative must be 'ngram' (or unset), got {spec!r}")
+    raise ValueError(f"speculative must be 'ngram' or 'draft:<model dir>' (or unset), got {spec!r}")
 
 
 class Speculator:
-    def __init__(self, method: str, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self, method: str, num_speculative_tokens: int, max_model_len: int, proposer: Proposer | None = None
+    ) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.method = method
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer()
+        self.proposer: Proposer = proposer or NgramProposer()  # draft:<dir>: the engine passes one
         self.stats = SpecStats()
 
     def propose(self, running: Iterable[Sequence]) -> None:
@@ -64,7 +87,7 @@ class Speculator:
             or seq.deterministic
             or params.constraint is not None
             or params.has_logit_rules  # min_tokens / bad words depend on the position: no drafts
-            or not getattr(params, "speculative", True)
+            or not params.speculative
         ):
             return 0
         room_output = params.max_tokens - seq.num_output_tokens - 1
@@ -76,3 +99,7 @@ class Speculator:
         self.stats.num_drafts[name] += 1
         self.stats.num_draft_tokens[name] += num_drafts
         self.stats.num_accepted_tokens[name] += num_accepted
+        per_pos = self.stats.num_accepted_tokens_per_pos.setdefault(name, [])
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for position in range(num_accepted):  # the accepted drafts are a prefix: positions 0..a-1
+            per_pos[position] += 1

@@ -176,8 +176,10 @@ def test_half_precision_adapters(saved: torch.dtype, tmp_path: Path) -> None:
 # --- refusals ----------------------------------------------------------------------------------------
 
 PEFT_BUILT_REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
-    "modules_to_save": ({"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, "modules_to_save"),
-    "lm_head_lora": ({"target_modules": ["q_proj", "lm_head"]}, "'lm_head'"),
+    "modules_to_save_norm": (
+        {"target_modules": ["q_proj"], "modules_to_save": ["act_fn"]},
+        "merge the adapter",
+    ),
     "bias_lora_only": ({"target_modules": ["q_proj"], "bias": "lora_only"}, "bias='lora_only'"),
     "bias_all": ({"target_modules": ["q_proj"], "bias": "all"}, "bias='all'"),
     "lora_bias": ({"target_modules": ["q_proj"], "lora_bias": True}, "lora_bias"),

@@ -3,6 +3,9 @@ start-up refuses with the figures (CUDA used to size slots from what the KV cach
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -13,6 +16,8 @@ from base_engine.model.config import load_model_config
 from base_engine.runner.host import HostMemory
 from base_engine.runner.kv_sizing import GIB, cpu_kv_blocks, num_kv_blocks, slot_bytes
 from base_engine.runner.model_runner import kv_bytes_per_block
+from base_engine.runner.weight_sizing import check_model_fits, check_weights_fit, model_weight_bytes
+from tests.harness.families import CHECKPOINTS
 
 LLAMA3_8B = BaseModelShapes(
     model_type="llama", num_layers=32, hidden_size=4096, intermediate_size=14336,
@@ -94,3 +99,72 @@ def test_serve_with_cuda_refuses_before_starting(tiny_llama_dir, tmp_path) -> No
     env = {**os.environ, "COLUMNS": "400"}  # one line, so the message is not wrapped
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2 and "CUDA is not available" in done.stderr, done.stderr[-2000:]
+
+
+def _checkpoint_bytes(model_dir) -> tuple[int, int]:
+    """(all tensors, expert tensors) of a float32 safetensors checkpoint."""
+    from safetensors import safe_open
+
+    total = experts = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                size = f.get_slice(name).get_shape()
+                num = math.prod(size) * 4
+                total += num
+                experts += num if ".experts." in name else 0
+    return total, experts
+
+
+@pytest.mark.parametrize(
+    "variant", ["llama-gqa", "llama-tied", "qwen3-moe", "qwen3-moe-fused", "mixtral-window", "qwen2-moe"]
+)
+def test_weight_bytes_are_the_checkpoints_experts_included(variant: str, make_checkpoint) -> None:
+    model_dir = make_checkpoint(**CHECKPOINTS[variant])
+    config = load_model_config(model_dir)
+    weights = model_weight_bytes(config, torch.float32)
+    assert (weights.total, weights.experts) == _checkpoint_bytes(model_dir)
+    assert (weights.experts > 0) == (config.moe is not None)
+    assert model_weight_bytes(config, torch.bfloat16).total == weights.total // 2
+    head = config.vocab_size * config.hidden_size * 4  # the CPU's fp32 logits head for 16-bit weights
+    assert model_weight_bytes(config, torch.bfloat16, float32_head=True).total == weights.total // 2 + head
+
+
+def test_a_model_that_does_not_fit_is_refused_with_the_figures(make_checkpoint) -> None:
+    config = load_model_config(make_checkpoint(**CHECKPOINTS["qwen3-moe"]))
+    need = model_weight_bytes(config, torch.float32)
+    fits = check_weights_fit(config, torch.float32, available_bytes=need.total, where="free")
+    assert fits.total == need.total
+    message = (
+        r"does not fit: .* MiB of weights in float32, .* MiB of them routed experts "
+        r"\(8 experts x 2 sparse layers\) need more than the 0\.10 MiB free"
+    )
+    with pytest.raises(ValueError, match=message):
+        check_weights_fit(config, torch.float32, available_bytes=100 * 1024 + 400, where="free")
+    assert check_model_fits(config, torch.float32, torch.device("cpu")).total == need.total  # fits this host
+
+
+def test_published_moe_sizes(tmp_path) -> None:
+    """Qwen3-30B-A3B: 30.5 B parameters (its model card), 128 experts x 48 layers; 61 GB in bf16 does not
+    fit one 40 GiB GPU, and the refusal says why."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    config = load_model_config(tmp_path)
+    weights = model_weight_bytes(config, torch.bfloat16)
+    assert 30.4e9 < weights.total / 2 < 30.6e9 and weights.experts / weights.total > 0.94
+    message = (
+        r"56\.\d\d GiB of weights in bfloat16, 54\.\d\d GiB of them routed experts "
+        r"\(128 experts x 48 sparse layers\) need more than the 40\.00 GiB"
+    )
+    with pytest.raises(ValueError, match=message):
+        check_weights_fit(config, torch.bfloat16, available_bytes=40 * GIB, where="free on cuda:0")
+
+
+QWEN3_30B_A3B = {  # the published config.json's shape fields
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "tie_word_embeddings": False, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip

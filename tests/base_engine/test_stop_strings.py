@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from base_engine.detokenizer import Detokenizer
-from base_engine.postprocess import stop_reason
+from base_engine.postprocess import Stop, check_stop
 from base_engine.sampling_params import SamplingParams
 from base_engine.sequence import Sequence, SequenceStatus
 from base_engine.stop_strings import StopAutomaton
@@ -86,6 +86,20 @@ def test_stop_token_ids_are_a_set_lookup() -> None:
     seq.output_token_ids.append(5)
     start = time.perf_counter()
     for _ in range(1000):
-        assert stop_reason(seq, 5, None, frozenset(), 1000) is None
+        assert check_stop(seq, 5, None, frozenset(), 1000) is None
     assert time.perf_counter() - start < 0.05  # a list scan of 800,000 ids: ~10 ms each time
-    assert stop_reason(seq, 800_009, None, frozenset(), 1000) == SequenceStatus.FINISHED_STOPPED
+    assert check_stop(seq, 800_009, None, frozenset(), 1000) == Stop(SequenceStatus.FINISHED_STOPPED, 800_009)
+
+
+def test_check_stop_names_what_ended_the_request_as_vllm() -> None:
+    """vLLM's `stop_reason`: the stop string or stop token id; None for EOS and for length."""
+    eos = frozenset({2})
+    seq = Sequence("r", [1], SamplingParams(max_tokens=3, stop_token_ids=[2, 7]))
+    seq.output_token_ids.append(9)
+    assert check_stop(seq, 9, "END", eos, 1000) == Stop(SequenceStatus.FINISHED_STOPPED, "END")
+    assert check_stop(seq, 7, None, eos, 1000) == Stop(SequenceStatus.FINISHED_STOPPED, 7)
+    assert check_stop(seq, 2, None, eos, 1000) == Stop(SequenceStatus.FINISHED_STOPPED, None)  # EOS first
+    assert check_stop(seq, 9, None, eos, 2) == Stop(SequenceStatus.FINISHED_LENGTH, None)
+    ignoring = Sequence("r", [1], SamplingParams(max_tokens=3, stop_token_ids=[2], ignore_eos=True))
+    ignoring.output_token_ids.append(2)
+    assert check_stop(ignoring, 2, None, eos, 1000) == Stop(SequenceStatus.FINISHED_STOPPED, 2)

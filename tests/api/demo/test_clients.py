@@ -4,7 +4,7 @@ template renders no tools), max_tokens 256: LangChain (`with_structured_output`,
 (its default model, `OpenAIResponsesModel`; `function_tool` with `tool_choice="required"`). Structured
 calls must finish (no `length`) and parse: compact JSON, and forced calls by grammar.
 
-instructor is not here: instructor 1.17 needs jiter<0.15, which openai 3.57 (ours) does not allow.
+instructor is in test_instructor.py (skipped where it is not installed: its pins conflict with ours).
 """
 
 from __future__ import annotations
