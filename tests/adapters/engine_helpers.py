@@ -39,3 +39,19 @@ def peft_model(model_dir: Path, adapter_dir: Path | None):
     from peft import PeftModel
 
     return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def peft_references(
+    model_dir: Path, adapters: dict[str, Path], names: list, prompts: list, max_new: int
+) -> dict[int, tuple]:
+    """Greedy tokens and logprobs of peft (or the base model, name None/"") for each prompt i, one PEFT
+    model per distinct name in `names`."""
+    from tests.base_engine.oracle import hf_greedy
+
+    refs: dict[int, tuple] = {}
+    for name in set(names):
+        model = peft_model(model_dir, adapters[name] if name else None)
+        for i, n in enumerate(names):
+            if n == name:
+                refs[i] = hf_greedy(model, prompts[i], max_new)
+    return refs

@@ -17,7 +17,7 @@ from adapters.types import AdapterFormatError
 from adapters.validation import validate_adapter
 from base_engine import LLM, SamplingParams
 from base_engine.model.config import load_model_config
-from tests.adapters.engine_helpers import make_adapter, peft_model
+from tests.adapters.engine_helpers import make_adapter, peft_model, peft_references
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
 from tests.harness.families import CHECKPOINTS
@@ -73,16 +73,6 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     }
 
 
-def _references(model_dir: Path, adapters: dict[str, Path], names: list, prompts: list) -> dict[int, tuple]:
-    refs: dict[int, tuple] = {}
-    for name in set(names):
-        model = peft_model(model_dir, adapters[name] if name else None)
-        for i, n in enumerate(names):
-            if n == name:
-                refs[i] = hf_greedy(model, prompts[i], MAX_NEW)
-    return refs
-
-
 def test_saved_tensor_names_are_embedding_factors(adapters) -> None:
     from safetensors import safe_open
 
@@ -95,7 +85,7 @@ def test_saved_tensor_names_are_embedding_factors(adapters) -> None:
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_mixed_embedding_lora_base_batch_matches_peft(tiny_llama_dir, adapters, deterministic: bool) -> None:
     prompts = random_prompts(len(NAMES), 500, 3, 20, seed=73)
-    refs = _references(tiny_llama_dir, adapters, NAMES, prompts)
+    refs = peft_references(tiny_llama_dir, adapters, NAMES, prompts, MAX_NEW)
     # The oracle tells the delta apart: without it the embedding-only adapter would decode as the base.
     assert refs[3][0] != hf_greedy(peft_model(tiny_llama_dir, None), prompts[3], MAX_NEW)[0]
     llm = LLM(
