@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from base_engine.speculative.speculator import parse_speculative
-
 # Share of memory the KV pool takes when `kv_cache_memory_fraction` is None: on CUDA of the free device
 # memory after the weights and adapter slots; on the CPU of the host memory still available, which the
 # weights' page cache, the adapter host tier, the tokenizer and other processes also draw on.
@@ -94,6 +92,9 @@ class EngineConfig:
             raise ValueError(refusal)
         if self.attention not in ("auto", "paged", "buckets"):
             raise ValueError(f"attention={self.attention!r}, expected 'auto', 'paged' or 'buckets'")
+        # Imported here: api.settings imports this module, and the CLI must start before torch loads.
+        from base_engine.speculative.speculator import parse_speculative
+
         parse_speculative(self.speculative)  # refuses an unknown method by name
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             k = self.num_speculative_tokens
