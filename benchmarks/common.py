@@ -1,11 +1,12 @@
-"""Shared pieces of the benchmarks: the models (`--model bench-small|bench-qwen3|bench-gemma3|smollm2`)
-and the reference workload.
+"""Shared pieces of the benchmarks: the models
+(`--model bench-small|bench-qwen3|bench-gemma3|bench-moe|smollm2`) and the reference workload.
 
 "bench-small" is a random Llama made in a temp dir; "bench-qwen3" a random Qwen3 of the same size class
 (q/k norms, head_dim 128 with 8 heads, so q is twice the hidden size as in Qwen3-0.6B, tied
 embeddings); "bench-gemma3" a random Gemma 3 of that size (5 windowed : 1 global layers, q/k norms,
-GeGLU, head_dim 128); "smollm2" is the default served model (SmolLM2-135M-Instruct), converted once
-into ./loraserve-data/models like `make serve` does.
+GeGLU, head_dim 128); "bench-moe" a random Qwen3-MoE of that size (16 experts of width 256, top-4,
+renormalised, every layer sparse); "smollm2" is the default served model (SmolLM2-135M-Instruct),
+converted once into ./loraserve-data/models like `make serve` does.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0,
         "tie_word_embeddings": True,
+    },
+    # Qwen3-MoE's shape at bench-small's size: every layer a sparse MoE block of 16 experts
+    # (moe_intermediate_size 256), top-4 with norm_topk_prob, q/k norms, head_dim 64.
+    "bench-moe": {
+        **BENCH_SMALL,
+        "arch": "qwen3_moe",
+        "head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 256,
+        "norm_topk_prob": True,
+        "rope_theta": 1000000.0,
     },
 }
 MODELS = (*RANDOM_MODELS, "smollm2")

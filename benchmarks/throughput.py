@@ -6,6 +6,7 @@
     python benchmarks/throughput.py --suite lora --model smollm2 --json   # the default served model
     python benchmarks/throughput.py --suite base --model bench-qwen3 --json   # a Qwen3-shaped model
     python benchmarks/throughput.py --suite base --model bench-gemma3 --json   # a Gemma-3-shaped model
+    python benchmarks/throughput.py --suite base --model bench-moe --json   # a Qwen3-MoE-shaped model
     python benchmarks/throughput.py --suite lora --deterministic --json   # target: cost <= 0.20
 
 Prints one JSON line: engine_tok_s, hf_tok_s, ratio (only requested output tokens are counted).
@@ -13,7 +14,8 @@ With --deterministic the baseline is our own engine: the same requests with and 
 `deterministic: true` (batch-invariant steps), interleaved on one engine; cost = 1 - det / plain.
 
 The baseline runs static batches of 32 (left-padded, each batch until its longest request), as a
-user of the library would; with --suite lora, peft's mixed-adapter batches (`adapter_names`).
+user of the library would; with --suite lora, peft's mixed-adapter batches (`adapter_names`), or on an
+MoE model (whose expert LoRA peft cannot mix in a batch) each adapter's requests batched on their own.
 Both run in this one process, interleaved for --rounds rounds; each side's best round is reported,
 so a burst of load from other work on a shared machine does not decide the ratio.
 """
@@ -38,7 +40,13 @@ from benchmarks.common import (  # noqa: E402
     model_vocab,
     setup_threads,
 )
-from benchmarks.lora_workload import make_lora_adapters, peft_model_with_adapters, zipf_assign  # noqa: E402
+from benchmarks.lora_workload import (  # noqa: E402
+    is_moe,
+    make_lora_adapters,
+    make_peft_moe_adapters,
+    peft_model_with_adapters,
+    zipf_assign,
+)
 
 
 def make_engine(model_dir: Path):
@@ -61,10 +69,13 @@ def run_engine(llm, wl, adapters: list[Path] | None, *, deterministic: bool = Fa
     return wl.num_requested_tokens / t.seconds
 
 
-def hf_generate(model, wl, batch_size: int = 32, adapter_names: list[str] | None = None) -> float:
+def hf_generate(
+    model, wl, batch_size: int = 32, adapter_names: list[str] | None = None, *, per_adapter: bool = False
+) -> float:
+    """Static batches in request order; with per_adapter, each adapter's requests batched on their own."""
     with Timer() as t:
-        for start in range(0, len(wl.prompts), batch_size):
-            prompts = wl.prompts[start : start + batch_size]
+        for rows in _hf_batches(len(wl.prompts), batch_size, adapter_names if per_adapter else None):
+            prompts = [wl.prompts[i] for i in rows]
             width = max(map(len, prompts))
             ids = torch.zeros((len(prompts), width), dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -72,13 +83,24 @@ def hf_generate(model, wl, batch_size: int = 32, adapter_names: list[str] | None
                 ids[i, width - len(p) :] = torch.tensor(p)
                 mask[i, width - len(p) :] = 1
             kwargs = {}
-            if adapter_names is not None:
-                kwargs["adapter_names"] = adapter_names[start : start + batch_size]
-            max_new = max(wl.output_lens[start : start + batch_size])
+            if adapter_names is not None and per_adapter:
+                model.set_adapter(adapter_names[rows[0]])
+            elif adapter_names is not None:
+                kwargs["adapter_names"] = [adapter_names[i] for i in rows]
+            max_new = max(wl.output_lens[i] for i in rows)
             with torch.inference_mode():
                 model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None,
                                max_new_tokens=max_new, min_new_tokens=max_new, **kwargs)  # fmt: skip
     return wl.num_requested_tokens / t.seconds
+
+
+def _hf_batches(num: int, batch_size: int, group_by: list[str] | None) -> list[list[int]]:
+    if group_by is None:
+        return [list(range(s, min(s + batch_size, num))) for s in range(0, num, batch_size)]
+    groups: dict[str, list[int]] = {}
+    for i, key in enumerate(group_by):
+        groups.setdefault(key, []).append(i)
+    return [rows[s : s + batch_size] for rows in groups.values() for s in range(0, len(rows), batch_size)]
 
 
 def main() -> None:
@@ -105,13 +127,17 @@ def main() -> None:
         hf.generation_config.eos_token_id = None
         adapters = names = None
         extra: dict[str, object] = {}
+        moe = is_moe(model_dir)
         if args.suite == "lora":
-            dirs = make_lora_adapters(model_dir, Path(tmp) / "adapters", num=8, rank=16)
+            make = make_peft_moe_adapters if moe else make_lora_adapters
+            dirs = make(model_dir, Path(tmp) / "adapters", num=8, rank=16)
             picks = zipf_assign(len(wl.prompts), len(dirs), seed=0)
             adapters = [dirs[i] for i in picks]
             names = [f"a{i}" for i in picks]
             hf = peft_model_with_adapters(hf, dirs)
             extra = {"num_adapters": len(dirs), "rank": 16, "adapter_popularity": "zipf(1.0)"}
+            if moe:  # peft's ParamWrapper refuses mixed-adapter batches
+                extra |= {"targets": "q/k/v/o_proj + experts", "hf_batches": "per adapter"}
         llm = make_engine(model_dir)
         run_engine(
             llm,
@@ -124,7 +150,7 @@ def main() -> None:
         engine_runs, hf_runs = [], []
         for _ in range(args.rounds):
             engine_runs.append(run_engine(llm, wl, adapters))
-            hf_runs.append(hf_generate(hf, wl, adapter_names=names))
+            hf_runs.append(hf_generate(hf, wl, adapter_names=names, per_adapter=moe))
     engine_tok_s, hf_tok_s = max(engine_runs), max(hf_runs)
     result = {
         "benchmark": f"throughput-{args.suite}", "model": args.model, "num_requests": len(wl.prompts),
