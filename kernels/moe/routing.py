@@ -53,8 +53,8 @@ def combine(expert_out: Tensor, routing: Routing, gate_dtype: torch.dtype) -> Te
     The gates are cast to `gate_dtype` first (transformers casts them to the router's dtype on Qwen, keeps
     fp32 on Mixtral); the k products of a token are summed slot by slot, the same order for every row.
     """
-    weighted = expert_out * routing.gates.to(gate_dtype)[:, None]
-    unsorted = torch.empty_like(weighted)
+    weighted = expert_out * routing.gates.to(gate_dtype)[:, None]  # fp32 gates on 16-bit outputs: fp32
+    unsorted = torch.empty_like(expert_out)
     unsorted[routing.order] = weighted.to(expert_out.dtype)
     per_token = unsorted.view(routing.num_tokens, routing.top_k, -1)
     out = per_token[:, 0].clone()

@@ -61,3 +61,17 @@ def test_routing_sorts_pairs_by_expert_and_combines_like_a_loop(renormalize: boo
         slot = experts[token].tolist().index(expert)
         want[token] += weights[token, slot] * values[pos].double()
     torch.testing.assert_close(combine(values, routing, torch.float32).double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_combine_keeps_16_bit_outputs_with_fp32_gates() -> None:
+    """Mixtral's gates stay fp32 on a bf16 model: each gated output is rounded back to bf16 and the
+    token sums its slots in bf16 (this crashed on the fp32 product's dtype before)."""
+    torch.manual_seed(2)
+    routing = route(torch.randn(6, 4), 2, True)
+    values = torch.randn(12, 8).to(torch.bfloat16)
+    got = combine(values, routing, torch.float32)
+    assert got.dtype == torch.bfloat16
+    weighted = (values.float() * routing.gates[:, None]).to(torch.bfloat16)
+    unsorted = torch.empty_like(weighted)
+    unsorted[routing.order] = weighted
+    assert torch.equal(got, unsorted.view(6, 2, 8)[:, 0] + unsorted.view(6, 2, 8)[:, 1])
