@@ -7,7 +7,9 @@ kernels whose reduction order depends only on the row itself:
     build (torch 2.13 CPU, MKL, 2 threads): with K <= 512 a row's bits are the same for every M >= 16;
     with K = 1408 they change from M = 57 on (K is blocked differently). So rows are padded to at
     least 16 and K is cut into fixed 512-wide pieces summed in a fixed order: every M from 1 to 2100
-    then gives the same bits (tests/base_engine/test_batch_invariance.py keeps that true end to end, and
+    then gives the same bits; a projection narrower than 16 outputs (a gate's logit) is padded to 16
+    zero columns, since MKL's narrow path sums a block's tail rows in another order
+    (tests/base_engine/test_batch_invariance.py keeps that true end to end, and
     `check_gemm_invariance` probes the model's own shapes before the first such step).
   * attention: every query token, prefill or decode, attends alone to its own keys, padded to whole
     blocks of its own length and always masked (`attention.build_token_buckets`): SDPA on CPU gives a
@@ -33,6 +35,9 @@ import torch.nn.functional as F
 
 INVARIANT_MIN_ROWS = 16  # fewer rows than this take other BLAS paths (GEMV and small-M kernels)
 INVARIANT_K_CHUNK = 512  # widest reduction one BLAS call makes in this mode
+# Fewer output columns than this (Qwen2-MoE's shared-expert gate: N = 1) take a GEMV-like path whose
+# last M mod 4 rows are summed in another order; padded with zero columns, they take the GEMM's.
+INVARIANT_MIN_COLS = 16
 # float32 (MKL) and bfloat16 (oneDNN, AMX / AVX512-BF16) GEMMs keep a row's bits under this construction
 # on this build; `GemmProbe` checks it in the serving dtype on the machine itself. float16 is not probed.
 INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
@@ -46,11 +51,16 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     In bfloat16 each piece's output (accumulated in float32 inside the GEMM) is summed in float32 and
     rounded once, as the one unsplit bf16 GEMM rounds once."""
     rows, width = x.shape
+    out_features = weight.shape[0]
     if rows < INVARIANT_MIN_ROWS:
         x = torch.cat([x, x.new_zeros(INVARIANT_MIN_ROWS - rows, width)])
+    if out_features < INVARIANT_MIN_COLS:
+        weight = torch.cat([weight, weight.new_zeros(INVARIANT_MIN_COLS - out_features, width)])
     y = F.linear(x[:, :INVARIANT_K_CHUNK], weight[:, :INVARIANT_K_CHUNK]).float()
     for start in range(INVARIANT_K_CHUNK, width, INVARIANT_K_CHUNK):
         y += F.linear(x[:, start : start + INVARIANT_K_CHUNK], weight[:, start : start + INVARIANT_K_CHUNK])
+    if out_features < INVARIANT_MIN_COLS:
+        y = y[:, :out_features]
     if bias is not None:
         y += bias
     y = y.to(x.dtype)
@@ -105,10 +115,10 @@ def _shape_is_invariant(out_features: int, in_features: int, dtype: torch.dtype)
     reference = invariant_linear(row[None], weight)[0]
     for rows in _PROBE_ROWS[1:]:
         x = torch.randn(rows, in_features, generator=gen, device="cpu").to(dtype)
-        at = (rows * 7) // 11
-        x[at] = row
-        if not torch.equal(invariant_linear(x, weight)[at], reference):
-            return False
+        for at in {(rows * 7) // 11, rows - 1}:  # inside the BLAS's row blocks and in their tail
+            x[at] = row
+            if not torch.equal(invariant_linear(x, weight)[at], reference):
+                return False
     return True
 
 
@@ -141,14 +151,6 @@ class Determinism:
             self._reason = (
                 "deterministic mode is not available with quantization int8 (its weight-only int8 GEMM "
                 "is not probed batch-invariant); serve without --quantization for deterministic requests"
-            )
-        if self._reason is None and any(
-            getattr(m, "shared_expert", None) is not None for m in model.modules()
-        ):
-            # Measured: a Qwen2-MoE row's output changes once a step holds 18 or more rows.
-            self._reason = (
-                "deterministic mode is not available for MoE models with a gated shared expert "
-                "(Qwen2-MoE): their steps are not yet batch-invariant; serve without deterministic requests"
             )
         self._shapes = linear_shapes(model, column_chunk=column_chunk)
         # A bf16 CPU engine computes its logits in float32 (CausalLM.keep_float32_logits): both probed.

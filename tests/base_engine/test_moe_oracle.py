@@ -57,8 +57,8 @@ def test_moe_under_preemption(family: str, make_checkpoint, hf_model_cache) -> N
     assert compared >= 2 * MAX_NEW
 
 
-# qwen2-moe is refused in deterministic mode (test below): a row differed once a step held 18+ rows.
-@pytest.mark.parametrize("family", ["qwen3-moe"])
+# Many-row steps on every MoE family: tests/base_engine/test_batch_invariance.py.
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral-window", "qwen2-moe"])
 def test_deterministic_mode_is_batch_invariant(family: str, make_checkpoint) -> None:
     """A sampled deterministic request answers bitwise the same alone and among other requests (whose
     tokens change which experts hold how many rows), chunked differently."""
@@ -82,13 +82,3 @@ def test_deterministic_mode_is_batch_invariant(family: str, make_checkpoint) -> 
     alone = run([], 512)
     assert run(prompts[1:], 16) == alone
     assert run(prompts[1:4], 48) == alone
-
-
-def test_deterministic_mode_is_refused_by_name_with_a_shared_expert(make_checkpoint) -> None:
-    """Qwen2-MoE's steps are not batch-invariant yet, so deterministic mode says so instead of serving
-    requests without the guarantee."""
-    model_dir = make_checkpoint(**CHECKPOINTS["qwen2-moe"])
-    with pytest.raises(ValueError, match="gated shared expert"):
-        LLMEngine(model_dir, config=EngineConfig(num_kv_blocks=64, block_size=4, deterministic=True))
-    engine = LLMEngine(model_dir, config=EngineConfig(num_kv_blocks=64, block_size=4))
-    assert "Qwen2-MoE" in (engine.determinism.refusal() or "")
