@@ -29,10 +29,11 @@ from kernels.sgmv.layout import alloc_stacks, bag_tables
 from kernels.sgmv.meta import build_meta
 
 # (hidden_in, out_sizes) of the calibration projections: a small one and a q/k/v-like one at
-# bench-small's width; rank 16, 16 slots. (segments, rows each) of the calibration batches.
+# bench-small's width; rank 16, 16 slots. (segments, rows each) of the calibration batches: decodes,
+# short runs, and one 32-row run (where the loop's GEMM reuses the weights: bags would re-read them).
 CALIBRATION_SHAPES = ((128, (128,)), (512, (512, 256, 256)))
 CALIBRATION_RANK = 16
-CALIBRATION_BATCHES = ((4, 1), (16, 1), (2, 6))
+CALIBRATION_BATCHES = ((4, 1), (16, 1), (2, 6), (1, 32))
 REPEATS = 3
 
 
