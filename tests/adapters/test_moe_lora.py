@@ -37,11 +37,24 @@ def moe_adapters(model_dir: Path, out: Path) -> dict[str, Path]:
     return {
         "attn": make_adapter(model_dir, out / "attn", seed=1, r=4, lora_alpha=8, target_modules=ATTENTION),
         "experts": make_adapter(
-            model_dir, out / "experts", seed=2, r=8, lora_alpha=16, target_modules=[], target_parameters=EXPERTS
-        ),
+            model_dir,
+            out / "experts",
+            seed=2,
+            r=8,
+            lora_alpha=16,
+            target_modules=[],
+            target_parameters=EXPERTS,
+        ),  # fmt: skip
         "both": make_adapter(
-            model_dir, out / "both", seed=3, r=4, lora_alpha=4, target_modules=ATTENTION,
-            target_parameters=EXPERTS + mlp, rank_pattern={"experts.down_proj": 8}, alpha_pattern={"q_proj": 12},
+            model_dir,
+            out / "both",
+            seed=3,
+            r=4,
+            lora_alpha=4,
+            target_modules=ATTENTION,
+            target_parameters=EXPERTS + mlp,
+            rank_pattern={"experts.down_proj": 8},
+            alpha_pattern={"q_proj": 12},
         ),  # fmt: skip
     }
 
@@ -58,7 +71,9 @@ def run_mixed(model_dir: Path, adapters: dict[str, Path], prompts: list, **engin
         return llm.generate(prompts, GREEDY, adapters=[adapters[n] if n else None for n in NAMES])
 
 
-def compare_with_peft(model_dir: Path, adapters: dict[str, Path], prompts: list, outs: list, label: str) -> int:
+def compare_with_peft(
+    model_dir: Path, adapters: dict[str, Path], prompts: list, outs: list, label: str
+) -> int:
     compared = 0
     for name in (None, "attn", "experts", "both"):
         reference = peft_model(model_dir, adapters[name] if name else None)  # fp32: grouped_mm has no fp64
