@@ -12,7 +12,8 @@ import pytest
 
 from base_engine import LLM, SamplingParams
 from base_engine.model.config import load_model_config
-from kernels.sgmv import torch_bag
+from kernels.sgmv import cost_model
+from kernels.sgmv.cost_model import ScheduleCosts
 from tests.adapters.engine_helpers import make_adapter, peft_model
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
@@ -60,10 +61,14 @@ def moe_adapters(model_dir: Path, out: Path) -> dict[str, Path]:
 
 
 def _pin_schedule(monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
+    # loop: the bag schedule costs 1 s to start; else segments of <= 2 rows to bags, longer ones to
+    # the loop, whatever the widths (cost_model.py: a segment saves W us out of the loop, a bag row
+    # costs 0.4 W us)
     if schedule == "loop":
-        monkeypatch.setattr(torch_bag, "BAG_MIN_SEGMENTS", 1 << 20)
+        costs = ScheduleCosts(1.0, 0.0, 0.0, 0.0, 0.0)
     else:
-        monkeypatch.setattr(torch_bag, "BAG_SEGMENT_BYTES", 1 << 40)
+        costs = ScheduleCosts(0.0, 0.4e-6, 0.0, 1e-6, 0.0)
+    monkeypatch.setattr(cost_model, "costs_for", lambda dtype, device: costs)
 
 
 def run_mixed(model_dir: Path, adapters: dict[str, Path], prompts: list, **engine) -> list:
