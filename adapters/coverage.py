@@ -23,6 +23,7 @@ from adapters.format import LoraAdapter, LoraPair
 from adapters.types import (
     EXPERT_MODULES,
     LORA_MODULES,
+    MOE_GATES,
     AdapterValidationError,
     CoverageReport,
     ModuleCoverage,
@@ -45,7 +46,7 @@ def coverage_report(
     """The report of a parsed adapter; `weight_norms[(layer, module)] = ||W||_F` of the served model.
 
     Raises AdapterValidationError when the adapter changes nothing (see the module docstring)."""
-    order = {m: i for i, m in enumerate((*LORA_MODULES, *EXPERT_MODULES))}
+    order = {m: i for i, m in enumerate((*LORA_MODULES, *MOE_GATES, *EXPERT_MODULES))}
     items: list[tuple[tuple[int, str], LoraPair]] = sorted(
         [*adapter.weights.items(), *adapter.experts.items()], key=lambda kv: (kv[0][0], order[kv[0][1]])
     )

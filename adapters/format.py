@@ -53,6 +53,7 @@ from adapters.types import (
     EXPERT_MODULES,
     FUSED_PROJECTIONS,
     LORA_MODULES,
+    MOE_GATES,
     AdapterFormatError,
     AdapterValidationError,
     BaseModelShapes,
@@ -168,7 +169,7 @@ def parse_adapter(
         ranks[module] = max(ranks.get(module, 0), pair.a.shape[0])
     for (_, module), pair in experts.items():
         ranks[module] = max(ranks.get(module, 0), pair.a.shape[1])
-    rank_by_module = {m: ranks[m] for m in (*LORA_MODULES, *EXPERT_MODULES) if m in ranks}
+    rank_by_module = {m: ranks[m] for m in (*LORA_MODULES, *MOE_GATES, *EXPERT_MODULES) if m in ranks}
     extra = [p.a.shape[0] for p in (embedding, lm_head) if p is not None]
     max_rank = max([*ranks.values(), *extra])
     return LoraAdapter(

@@ -9,7 +9,7 @@ most the fp32 factors of all of them plus a header (one JSON entry per tensor, a
 
 from __future__ import annotations
 
-from adapters.types import EXPERT_MODULES, LORA_MODULES, BaseModelShapes
+from adapters.types import EXPERT_MODULES, LORA_MODULES, MOE_GATES, BaseModelShapes
 
 FP32_BYTES = 4
 HEADER_BASE_BYTES = 64 << 10  # the 8-byte length, braces and `__metadata__`
@@ -29,7 +29,9 @@ def max_adapter_weights_bytes(base: BaseModelShapes, max_lora_rank: int) -> int:
         for module in EXPERT_MODULES:
             num_experts, hidden_in, hidden_out = base.expert_shape(module)
             elements += sparse * num_experts * max_lora_rank * (hidden_in + hidden_out)
-        num_tensors += 2 * len(EXPERT_MODULES) * sparse
+        for gate in MOE_GATES:  # the router and Qwen2-MoE's shared-expert gate
+            elements += sparse * max_lora_rank * sum(base.module_shape(gate))
+        num_tensors += 2 * (len(EXPERT_MODULES) + len(MOE_GATES)) * sparse
     return elements * FP32_BYTES + HEADER_BASE_BYTES + num_tensors * HEADER_BYTES_PER_TENSOR
 
 

@@ -8,9 +8,9 @@ alpha patterns are looked up with that parameter key. The wrapper computes `F.li
 [E, out, in], one delta per expert: `lora_A` [r * E, in] holds expert e's A in rows e*r:(e+1)*r and
 `lora_B` [out, r * E] its B in columns j*E + e (`ParamWrapper.get_delta_weight`).
 
-Served: the projections' weights (as LoRA on the projection) and an MoE layer's fused expert tensors
-`mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (adapters/experts.py). Refused by name: the router
-`mlp.gate.weight` (it would change which experts a token reaches), Qwen2-MoE's `shared_expert_gate`,
+Served: the projections' weights (as LoRA on the projection), an MoE layer's router `mlp.gate.weight`
+and Qwen2-MoE's `mlp.shared_expert_gate.weight` (a delta on their logits, per row), and its fused expert
+tensors `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (adapters/experts.py). Refused by name:
 embeddings, the LM head, norms and biases.
 """
 
@@ -25,8 +25,6 @@ from adapters.types import EXPERT_MODULES, AdapterFormatError, BaseModelShapes
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 # Parameters PEFT could wrap on our families that the engine does not serve with target_parameters.
 _REFUSED: dict[str, str] = {
-    r"mlp\.gate\.weight": "the MoE router; LoRA on it changes which experts a token reaches",
-    r"mlp\.shared_expert_gate\.weight": "Qwen2-MoE's shared-expert gate",
     r"embed_tokens\.weight": "the input embedding (target it with target_modules instead)",
     r"lm_head\.weight": "the LM head (target it with target_modules instead)",
     r".*norm\.weight": "a norm's weight (1-D; PEFT wraps 2-D and 3-D parameters only)",
@@ -45,13 +43,13 @@ def parameter_keys(base: BaseModelShapes) -> dict[str, tuple[int, str] | None]:
                 keys[f"{projection_key(layer, module)}.weight"] = (layer, module)
         if not base.is_sparse(layer):
             continue
-        keys[f"{prefix}.mlp.gate.weight"] = None
+        keys[f"{prefix}.mlp.gate.weight"] = (layer, "router")
         for module in EXPERT_MODULES:
             keys[f"{prefix}.mlp.{module}"] = (layer, module)
         if base.moe_shared_size is not None:
             for module in ("gate_proj", "up_proj", "down_proj"):
                 keys[f"{prefix}.mlp.shared_expert.{module}.weight"] = (layer, module)
-            keys[f"{prefix}.mlp.shared_expert_gate.weight"] = None
+            keys[f"{prefix}.mlp.shared_expert_gate.weight"] = (layer, "shared_expert_gate")
     return keys
 
 

@@ -78,10 +78,10 @@ def _moe_keys(base: BaseModelShapes, layer: int) -> list[str]:
 
 # MoE modules a target may select that are not served as LoRA targets, and why.
 _MOE_REFUSED = {
-    "gate": "the MoE router (LoRA on it changes which experts a token reaches; PEFT cannot wrap it either)",
+    "gate": "the MoE router, which is no nn.Linear: PEFT wraps its weight with target_parameters "
+    "['mlp.gate.weight']",
     "experts": "the fused experts, which hold no nn.Linear: target their tensors with target_parameters "
     "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']",
-    "shared_expert_gate": "Qwen2-MoE's shared-expert gate (a [1, hidden] nn.Linear), not served",
 }
 
 
@@ -263,6 +263,9 @@ def resolve_targets(
             resolved[key] = EMBEDDING_TARGET if key == EMBEDDING_KEY else LM_HEAD_TARGET
             continue
         found = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp|mlp\.shared_expert)\.(\w+)", key)
+        if found is not None and found.group(2) == "shared_expert_gate" and base.moe_shared_size is not None:
+            resolved[key] = (int(found.group(1)), "shared_expert_gate")
+            continue
         moe_part = re.fullmatch(r"model\.layers\.\d+\.mlp\.(\w+)", key)
         if moe_part is not None and moe_part.group(1) in _MOE_REFUSED:
             raise AdapterFormatError(

@@ -29,7 +29,7 @@ import torch
 
 from adapters.expert_slots import alloc_expert_slots, expert_bytes_per_slot, write_expert_slots
 from adapters.format import LoraAdapter, LoraPair
-from adapters.types import FUSED_PROJECTIONS, BaseModelShapes
+from adapters.types import FUSED_PROJECTIONS, MOE_GATES, BaseModelShapes
 from kernels.sgmv.layout import alloc_stacks
 
 # Packed projection -> the checkpoint modules it stacks, in output-column order.
@@ -41,12 +41,19 @@ PACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+_MOE_GATE_SLOTS = {gate: (gate,) for gate in MOE_GATES}
+
+
 def layer_projections(base: BaseModelShapes, layer: int) -> dict[str, tuple[str, ...]]:
-    """The packed projections layer `layer` has: all four, or attention only on an MoE layer without a
-    shared expert (Qwen2-MoE's shared expert takes gate/up/down)."""
-    if base.has_mlp(layer):
+    """The packed projections layer `layer` has: all four on a dense layer; on an MoE layer attention,
+    the router, and Qwen2-MoE's shared expert (gate/up/down) and its gate."""
+    if not base.is_sparse(layer):
         return PACKED_PROJECTIONS
-    return {k: v for k, v in PACKED_PROJECTIONS.items() if k in ("qkv_proj", "o_proj")}
+    keep = (
+        ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if base.has_mlp(layer) else ("qkv_proj", "o_proj")
+    )
+    gates = ("router", "shared_expert_gate") if base.moe_shared_size is not None else ("router",)
+    return {k: v for k, v in PACKED_PROJECTIONS.items() if k in keep} | {g: (g,) for g in gates}
 
 
 @dataclass(slots=True)
@@ -158,7 +165,7 @@ class SlotPool:
         write_expert_slots(self.experts, slot, adapter)
         for layer, per_proj in enumerate(self.layers):
             for packed, proj in per_proj.items():
-                modules = PACKED_PROJECTIONS[packed]
+                modules = PACKED_PROJECTIONS.get(packed) or _MOE_GATE_SLOTS[packed]
                 self._write_out_vectors(proj, slot, [adapter.weights.get((layer, m)) for m in modules])
                 for s, module in enumerate(modules):
                     pair = adapter.weights.get((layer, module))

@@ -22,6 +22,9 @@ FUSED_MODEL_TYPES: frozenset[str] = frozenset({"phi3"})
 # LoRA on a mixture-of-experts layer's fused expert tensors (PEFT `target_parameters`), per layer: one
 # factor pair per expert, as `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I].
 EXPERT_MODULES: tuple[str, ...] = ("experts.gate_up_proj", "experts.down_proj")
+# The small linears of an MoE layer LoRA may change: the router (`mlp.gate`, [E, H]: each row's delta moves
+# its own routing) and Qwen2-MoE's shared-expert gate (`mlp.shared_expert_gate`, [1, H]).
+MOE_GATES: tuple[str, ...] = ("router", "shared_expert_gate")
 _MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 
 
@@ -103,6 +106,11 @@ class BaseModelShapes:
             "qkv_proj": (self.hidden_size, q_out + 2 * kv_out),
             "gate_up_proj": (self.hidden_size, 2 * intermediate),
         }
+        if self.moe is not None:
+            shapes |= {
+                "router": (self.hidden_size, self.moe.num_experts),
+                "shared_expert_gate": (self.hidden_size, 1),
+            }
         if module not in shapes:
             raise ValueError(f"unknown projection {module!r}; expected one of {tuple(shapes)}")
         return shapes[module]

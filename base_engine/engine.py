@@ -43,6 +43,7 @@ from base_engine.sampling_params import SamplingParams
 from base_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from base_engine.sequence import Sequence, SequenceStatus
 from base_engine.speculative.draft_model import DraftModelProposer, draft_dir
+from base_engine.speculative.probe import measure_off_batch
 from base_engine.speculative.rows import group_rows, sampling_rows
 from base_engine.speculative.speculator import Speculator, parse_speculative
 from base_engine.speculative.verify import accepted_tokens
@@ -134,6 +135,8 @@ class LLMEngine:
                 method, self.config.num_speculative_tokens, self.max_model_len, self._drafter(method)
             )
         )
+        if self.speculator is not None:
+            self.speculator.off_batch = self._speculation_off_batch()
         self.determinism = Determinism(
             model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
         )
@@ -156,6 +159,13 @@ class LLMEngine:
         if path is None:
             return None
         return DraftModelProposer(path, self.model_config, self.tokenizer, device=self.device)
+
+    def _speculation_off_batch(self) -> int | None:
+        off = self.config.speculative_off_batch
+        if off is None:
+            k, max_seqs = self.config.num_speculative_tokens, self.config.max_num_seqs
+            return measure_off_batch(self.runner, k, max_seqs, self.max_model_len)
+        return None if off == 0 else off
 
     @cached_property
     def base_weight_norms(self) -> dict[tuple[int, str], float]:
@@ -433,4 +443,5 @@ class LLMEngine:
             iteration_token_counts=tuple(self.iteration_token_counts),
             iteration_tokens_sum=self.iteration_tokens_sum,
             spec_decode={} if self.speculator is None else self.speculator.stats.snapshot(),
+            spec_acceptance={} if self.speculator is None else self.speculator.stats.acceptance_by_ref(),
         )

@@ -66,6 +66,10 @@ class ModelWeights:
             for module in LORA_MODULES:
                 if self._parent(layer, module) is not None:
                     norms[(layer, module)] = float(torch.linalg.norm(self.weight(layer, module).double()))
+            for gate, name in (("router", "gate"), ("shared_expert_gate", "shared_expert_gate")):
+                linear = getattr(block.mlp, name, None) if hasattr(block.mlp, "experts") else None
+                if linear is not None:
+                    norms[(layer, gate)] = float(torch.linalg.norm(linear.weight.detach().double()))
             experts = getattr(block.mlp, "experts", None)
             for module in EXPERT_MODULES if experts is not None else ():
                 tensor = getattr(experts, module.removeprefix("experts.")).detach()

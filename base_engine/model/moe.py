@@ -91,7 +91,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: Any, invariant: bool = False) -> torch.Tensor:
         linear = invariant_linear if invariant else F.linear
-        routing = route(linear(x, self.gate.weight, None), self.moe.top_k, self.moe.renormalize)
+        router_logits = linear(x, self.gate.weight, None)
+        if lora is not None:  # LoRA on the router: each row routes by its own adapter's logits
+            lora.apply(self.layer, "router", router_logits, x)
+        routing = route(router_logits, self.moe.top_k, self.moe.renormalize)
         expert_lora = None if lora is None else lora.experts(self.layer, routing)
         rows = x[routing.token_ids]  # [T * k, H], sorted by expert
         gate_up = _grouped(rows, self.experts.gate_up_proj, routing.expert_offsets, invariant)
@@ -105,6 +108,8 @@ class SparseMoeBlock(nn.Module):
         y = combine(out, routing, torch.float32 if self.moe.fp32_gates else x.dtype)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             logit = linear(x, self.shared_expert_gate.weight, None)  # [T, 1]
+            if lora is not None:
+                lora.apply(self.layer, "shared_expert_gate", logit, x)
             scale = _rowwise_sigmoid(logit) if invariant else torch.sigmoid(logit)
             y = y + scale * self.shared_expert(x, lora, self.layer, invariant)
         return y

@@ -1,6 +1,7 @@
 """What an MoE adapter may target, read as PEFT saves it: the expert tensors' per-expert factors equal
-PEFT's own per-expert delta; the router, the shared-expert gate and the fused experts module are refused
-by name, as are expert tensors of the wrong shape; the expert factors count in the upload limit."""
+PEFT's own per-expert delta; PEFT's all-linear (router and shared-expert gate included) is read whole;
+the router as a module and the fused experts module in target_modules are refused by name, as are expert
+tensors of the wrong shape; the expert factors count in the upload limit."""
 
 from __future__ import annotations
 
@@ -56,7 +57,6 @@ def test_expert_factors_equal_peft_per_expert_delta(qwen3_moe: Path, tmp_path: P
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"target_parameters": ["mlp.gate.weight"]}, "the MoE router"),
         ({"target_modules": ["gate"], "target_parameters": None}, "the MoE router"),
         (
             {"target_modules": ["experts"], "target_parameters": None},
@@ -76,20 +76,19 @@ def test_moe_targets_refused_by_name(qwen3_moe: Path, tmp_path: Path, changes: d
         load_adapter(adapter_dir, base=_base(qwen3_moe))
 
 
-def test_peft_all_linear_on_qwen3_moe_reaches_the_router_and_is_refused(
-    qwen3_moe: Path, tmp_path: Path
+def test_peft_all_linear_on_moe_reaches_the_router_and_the_shared_gate(
+    make_checkpoint, tmp_path: Path
 ) -> None:
-    """PEFT's transformers-v5 conversion turns all-linear into the experts and the router's weight."""
-    adapter_dir = make_adapter(qwen3_moe, tmp_path / "a", seed=7, r=4, target_modules="all-linear")
-    with pytest.raises(AdapterFormatError, match="the MoE router"):
-        load_adapter(adapter_dir, base=_base(qwen3_moe))
-
-
-def test_qwen2_moe_shared_expert_gate_is_refused_by_name(make_checkpoint, tmp_path: Path) -> None:
-    model_dir = make_checkpoint(**CHECKPOINTS["qwen2-moe"])
-    adapter_dir = make_adapter(model_dir, tmp_path / "a", seed=8, r=4, target_modules=["shared_expert_gate"])
-    with pytest.raises(AdapterFormatError, match="shared-expert gate"):
-        load_adapter(adapter_dir, base=_base(model_dir))
+    """On Qwen3-MoE PEFT's transformers-v5 conversion turns all-linear into attention, the router's weight
+    and the expert tensors; on Qwen2-MoE it is every nn.Linear (the shared expert and its gate)."""
+    for family in ("qwen3-moe", "qwen2-moe"):
+        model_dir = make_checkpoint(**CHECKPOINTS[family])
+        adapter_dir = make_adapter(model_dir, tmp_path / family, seed=7, r=4, target_modules="all-linear")
+        adapter = load_adapter(adapter_dir, base=_base(model_dir))
+        expected = {"router", "experts.gate_up_proj", "experts.down_proj", "q_proj", "o_proj"}
+        if family == "qwen2-moe":  # no v5 conversion for it here: every nn.Linear, the shared gate too
+            expected = {"q_proj", "o_proj", "gate_proj", "down_proj", "shared_expert_gate"}
+        assert expected <= set(adapter.rank_by_module), (family, adapter.rank_by_module)
 
 
 def test_mlp_names_on_an_all_sparse_model_point_at_target_parameters(make_checkpoint, tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """LoRA on mixture-of-experts bases (Qwen3-MoE, Mixtral, Qwen2-MoE): adapters on attention only, on the
-experts only (PEFT `target_parameters` on the fused expert tensors) and on both (plus the dense layers'
-MLP and Qwen2-MoE's shared expert, with rank / alpha patterns), in one mixed batch with base rows: each
+experts only (PEFT `target_parameters` on the fused expert tensors), on both (plus the dense layers'
+MLP and Qwen2-MoE's shared expert, with rank / alpha patterns) and PEFT's all-linear (the router and
+Qwen2-MoE's shared-expert gate too), in one mixed batch with base rows: each
 row gives the greedy tokens and top-5 logprobs of `peft` in float32, on both CPU LoRA schedules and in
 deterministic mode."""
 
@@ -11,53 +12,17 @@ from pathlib import Path
 import pytest
 
 from base_engine import LLM, SamplingParams
-from base_engine.model.config import load_model_config
 from kernels.sgmv import cost_model
 from kernels.sgmv.cost_model import ScheduleCosts
-from tests.adapters.engine_helpers import make_adapter, peft_model
+from tests.adapters.engine_helpers import peft_model
+from tests.adapters.moe_helpers import moe_adapters
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
 from tests.harness.families import CHECKPOINTS, MOE_FAMILIES
 
 MAX_NEW = 6
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-NAMES = [None, "attn", "experts", "both", None, "experts", "both", "attn"]
+NAMES = [None, "attn", "experts", "both", None, "linear", "both", "attn", "experts", "linear"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
-
-
-def moe_adapters(model_dir: Path, out: Path) -> dict[str, Path]:
-    """attention only; experts only (r 8); both, with a rank pattern on the down tensor and an alpha
-    pattern on q_proj, and (where the family has them) the dense layers' MLP and Qwen2-MoE's shared
-    expert through target_parameters on their weights: PEFT converts MLP names in target_modules into
-    the expert tensors on these families (its transformers-v5 MoE conversion), so the weights are the
-    one way to reach a dense or shared MLP."""
-    base = load_model_config(model_dir).base_shapes()
-    has_mlp = any(base.has_mlp(layer) for layer in range(base.num_layers))
-    mlp = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"] if has_mlp else []
-    return {
-        "attn": make_adapter(model_dir, out / "attn", seed=1, r=4, lora_alpha=8, target_modules=ATTENTION),
-        "experts": make_adapter(
-            model_dir,
-            out / "experts",
-            seed=2,
-            r=8,
-            lora_alpha=16,
-            target_modules=[],
-            target_parameters=EXPERTS,
-        ),  # fmt: skip
-        "both": make_adapter(
-            model_dir,
-            out / "both",
-            seed=3,
-            r=4,
-            lora_alpha=4,
-            target_modules=ATTENTION,
-            target_parameters=EXPERTS + mlp,
-            rank_pattern={"experts.down_proj": 8},
-            alpha_pattern={"q_proj": 12},
-        ),  # fmt: skip
-    }
 
 
 def _pin_schedule(monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
@@ -72,7 +37,7 @@ def _pin_schedule(monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
 
 
 def run_mixed(model_dir: Path, adapters: dict[str, Path], prompts: list, **engine) -> list:
-    with LLM(model_dir, num_kv_blocks=128, block_size=4, max_loras=3, max_lora_rank=8, **engine) as llm:
+    with LLM(model_dir, num_kv_blocks=128, block_size=4, max_loras=4, max_lora_rank=8, **engine) as llm:
         return llm.generate(prompts, GREEDY, adapters=[adapters[n] if n else None for n in NAMES])
 
 
@@ -80,7 +45,7 @@ def compare_with_peft(
     model_dir: Path, adapters: dict[str, Path], prompts: list, outs: list, label: str
 ) -> int:
     compared = 0
-    for name in (None, "attn", "experts", "both"):
+    for name in (None, "attn", "experts", "both", "linear"):
         reference = peft_model(model_dir, adapters[name] if name else None)  # fp32: grouped_mm has no fp64
         for i, n in enumerate(NAMES):
             if n != name:

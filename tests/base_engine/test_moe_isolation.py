@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from base_engine import LLM, SamplingParams
-from tests.adapters.test_moe_lora import moe_adapters
+from tests.adapters.moe_helpers import moe_adapters
 from tests.harness.engine_inputs import random_prompts
 from tests.harness.families import CHECKPOINTS
 

@@ -33,7 +33,7 @@ def test_engine_counts_drafts_per_adapter(tiny_llama_dir: Path, tmp_path: Path) 
     adapter = write_adapter(tmp_path / "bot", seed=3)
     prompts = [p + p + p for p in random_prompts(4, 500, 6, 10, seed=5)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with LLM(tiny_llama_dir, speculative="ngram", num_speculative_tokens=3) as llm:
+    with LLM(tiny_llama_dir, speculative="ngram", num_speculative_tokens=3, speculative_off_batch=0) as llm:
         llm.generate(prompts, params, adapters=[None, adapter, None, adapter])
         counts = llm.engine.stats().spec_decode
     assert set(counts) == {"", "bot"}
