@@ -142,8 +142,8 @@ def test_metrics_parse_and_move(server: Server) -> None:
     tenant = httpx.post(
         f"{server.base_url}/admin/api/tenants", json={"name": name}, headers=bearer(ADMIN_KEY)
     ).json()
-    running = ("vllm:num_requests_running", frozenset({("model_name", BASE)}))
-    generated = ("vllm:generation_tokens_total", frozenset({("model_name", BASE)}))
+    running = ("vllm:num_requests_running", frozenset({("model_name", BASE), ("engine", "0")}))
+    generated = ("vllm:generation_tokens_total", frozenset({("model_name", BASE), ("engine", "0")}))
     before = metric_values(server.base_url)
     url = f"{server.base_url}/v1/completions"
     body = {"model": BASE, "prompt": "Count", "stream": True, **LONG}
