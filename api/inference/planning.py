@@ -140,6 +140,9 @@ def plan_generation(
         seed=seed,
         deterministic=deterministic,
         cache_salt=tenant_cache_salt(inference.server_secret, caller.tenant.id),
+        # the adapter's own defaults first, then the checkpoint's (api/inference/adapter_defaults.py)
+        defaults=generation_defaults(engine.model_dir)
+        | inference.adapter_defaults.get(caller.tenant.id, adapter.name if adapter else None),
     )
     ctx.engine_request_ids = [r.request_id for r in requests]
     ctx.max_new_tokens = sum(r.params.max_tokens for r in requests)
@@ -185,9 +188,9 @@ def _engine_requests(
     seed: int | None,
     deterministic: bool,
     cache_salt: bytes,
+    defaults: dict[str, float | int],
 ) -> list[EngineRequest]:
     """One engine request per choice, each validated by the engine (400 when it would refuse it)."""
-    defaults = generation_defaults(engine.model_dir)
     rules = logit_rule_options(body, engine.tokenizer, engine.vocab_size)
     requests = []
     for p, prompt_ids in enumerate(prompts):
