@@ -20,12 +20,13 @@ from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
 from base_engine.invariant import Determinism
 from base_engine.logit_rules import check_rule_token_ids
-from base_engine.lora import LoraStepBatch, ModelWeights, make_lora_manager
+from base_engine.lora import LoraStepBatch, make_lora_manager
 from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
 from base_engine.model.int8 import quantize_int8
 from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
+from base_engine.model_weights import ModelWeights
 from base_engine.outputs import ITERATION_TOKEN_BUCKETS, NON_FINITE, EngineStats, RequestOutput
 from base_engine.postprocess import check_stop, finish_output, step_output
 from base_engine.priority import PriorityPolicy

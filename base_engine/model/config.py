@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from adapters.types import BaseModelShapes
+from adapters.types import BaseModelShapes, MoeShapes
 from base_engine.model.gemma_config import GEMMA_ACTIVATION, GEMMA_ARCHITECTURES, GemmaText, gemma_text
 from base_engine.model.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_config, moe_sliding_window
 from base_engine.model.phi3 import phi3_rope_fields
@@ -194,6 +194,14 @@ class ModelConfig:
                 )
                 if flag
                 for m in modules
+            ),
+            moe=None
+            if self.moe is None
+            else MoeShapes(
+                num_experts=self.moe.num_experts,
+                expert_intermediate_size=self.moe.expert_intermediate_size,
+                sparse_layers=self.moe.sparse_layers,
+                shared_expert_intermediate_size=self.moe.shared_expert_intermediate_size,
             ),
         )
 
