@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from adapters.experts import expert_pairs, take_expert_tensors
+from adapters.experts import expert_pairs, refuse_per_expert_layout, take_expert_tensors
 from adapters.factors import (
     check_delta_bound,
     check_embedding_bound,
@@ -141,6 +141,8 @@ def parse_adapter(
         raise AdapterFormatError(f"{WEIGHTS_NAME} could not be parsed: {exc}") from exc
     check_weight_tying(files.config, tensors)
     replacements = take_replacements(tensors, replaced, base, dtype, max_replacement_bytes)
+    if base.moe is not None:
+        refuse_per_expert_layout(tensors)
     experts = _experts(take_expert_tensors(tensors, expert_targets), expert_targets, spec, base, dtype,
                        max_lora_rank)  # fmt: skip
     by_module = split_tensors(tensors, targets, base, spec.has_velora, dora=use_dora)

@@ -140,9 +140,11 @@ class LLMEngine:
         self.determinism = Determinism(
             model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
         )
-        # Decode-only steps replay these on CUDA (None: every step runs eagerly).
+        # Decode-only steps replay these on CUDA (None: every step runs eagerly). Not on MoE models: the
+        # grouped GEMM's segments and the expert LoRA's (adapter, expert) metadata follow each step's routing.
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and self.config.enable_cuda_graphs and self.runner.use_paged:
+        dense = self.model_config.moe is None
+        if self.device.type == "cuda" and self.config.enable_cuda_graphs and self.runner.use_paged and dense:
             self.graphs = self.make_decode_graphs(capture=True)
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, Detokenizer] = {}

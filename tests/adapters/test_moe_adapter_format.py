@@ -127,3 +127,34 @@ def test_upload_limit_counts_every_experts_factors(qwen3_moe: Path) -> None:
 
 def _fields(base) -> dict:
     return {name: getattr(base, name) for name in base.__slots__}
+
+
+def test_a_transformers_4_per_expert_adapter_is_refused_by_name(qwen3_moe: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    adapter_dir = make_adapter(qwen3_moe, tmp_path / "a", seed=11, r=4, target_modules=["q_proj"])
+    path = adapter_dir / "adapter_model.safetensors"
+    tensors = load_file(path)
+    tensors["base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(tensors, path)
+    with pytest.raises(AdapterFormatError, match="saved on transformers 4"):
+        load_adapter(adapter_dir, base=_base(qwen3_moe))
+
+
+def test_device_slots_count_every_experts_factors(qwen3_moe: Path) -> None:
+    """The memory plan sizes the adapter pool from bytes per slot: E factor pairs per expert tensor."""
+    from adapters.slots import SlotPool
+
+    base = _base(qwen3_moe)
+    moe = base.moe
+    per_slot = SlotPool.bytes_per_slot(base, 8, torch.float32)
+    experts = moe.num_experts * 8 * (2 * base.hidden_size + 3 * moe.expert_intermediate_size) * 4
+    assert per_slot >= experts * sum(moe.sparse_layers)
+    pool = SlotPool(base, num_slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    held = sum(
+        t.numel() * t.element_size()
+        for layer in pool.experts
+        for s in layer.values()
+        for t in s.lora_a + s.lora_b
+    )
+    assert held == 2 * experts * sum(moe.sparse_layers)

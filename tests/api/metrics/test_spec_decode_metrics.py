@@ -56,8 +56,8 @@ def test_metrics_carry_vllm_names_and_lora_name() -> None:
         _stats({"": SpecDecodeCounts(4, 12, 5, (3, 2, 0)), "bot": SpecDecodeCounts(2, 6, 1, (1, 0, 0))})
     )
     samples = _samples(metrics)
-    base = (("lora_name", ""), ("model_name", "base"))
-    bot = (("lora_name", "bot"), ("model_name", "base"))
+    base = (("engine", "0"), ("lora_name", ""), ("model_name", "base"))
+    bot = (("engine", "0"), ("lora_name", "bot"), ("model_name", "base"))
     assert samples[("vllm:spec_decode_num_drafts_total", base)] == 4
     assert samples[("vllm:spec_decode_num_draft_tokens_total", base)] == 12
     assert samples[("vllm:spec_decode_num_accepted_tokens_total", base)] == 5
