@@ -291,8 +291,10 @@ class AdapterCache:
 
 def adapter_bytes(adapter: LoraAdapter) -> int:
     """Host bytes of the factors, of DoRA's vectors (magnitude, out_scale, out_shift) and of the
-    embedding and lm_head LoRA's factors and of its modules_to_save matrices."""
+    embedding and lm_head LoRA's factors, of its expert factors (E per MoE tensor) and of its
+    modules_to_save matrices."""
     pairs = [*adapter.weights.values(), *(p for p in (adapter.embedding, adapter.lm_head) if p is not None)]
+    pairs += adapter.experts.values()
     replaced = sum(t.numel() * t.element_size() for t in adapter.replacements.values())
     return replaced + sum(
         t.numel() * t.element_size()
@@ -317,6 +319,8 @@ def _pin_host_memory(adapter: LoraAdapter) -> LoraAdapter:
         for p in (adapter.embedding, adapter.lm_head)
     )
     replacements = {name: t.pin_memory() for name, t in adapter.replacements.items()}
+    experts = {k: LoraPair(p.a.pin_memory(), p.b.pin_memory(), p.scale) for k, p in adapter.experts.items()}
     return dataclasses.replace(
-        adapter, weights=weights, embedding=embedding, lm_head=lm_head, replacements=replacements
-    )
+        adapter, weights=weights, embedding=embedding, lm_head=lm_head, replacements=replacements,
+        experts=experts,
+    )  # fmt: skip

@@ -20,7 +20,14 @@ from collections.abc import Mapping
 import torch
 
 from adapters.format import LoraAdapter, LoraPair
-from adapters.types import LORA_MODULES, AdapterValidationError, CoverageReport, ModuleCoverage
+from adapters.types import (
+    EXPERT_MODULES,
+    LORA_MODULES,
+    MOE_GATES,
+    AdapterValidationError,
+    CoverageReport,
+    ModuleCoverage,
+)
 
 EMBEDDING_LAYER = -1  # the layer index of an embedding LoRA's row (peft_targets.EMBEDDING_TARGET)
 NEGLIGIBLE = 1e-6  # relative delta below which an adapter is accepted with a warning
@@ -28,8 +35,8 @@ NEGLIGIBLE = 1e-6  # relative delta below which an adapter is accepted with a wa
 
 def delta_fro(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
     """||scale * b @ a||_F in float64, from the r x r Gram matrices of a [r, in] and b [out, r]."""
-    a64, b64 = a.double(), b.double()
-    squared = float(((b64.T @ b64) * (a64 @ a64.T)).sum())
+    a64, b64 = a.double(), b.double()  # [E, r, in] / [E, out, r] for experts: summed over them
+    squared = float(((b64.mT @ b64) * (a64 @ a64.mT)).sum())
     return abs(scale) * math.sqrt(max(squared, 0.0))
 
 
@@ -39,9 +46,9 @@ def coverage_report(
     """The report of a parsed adapter; `weight_norms[(layer, module)] = ||W||_F` of the served model.
 
     Raises AdapterValidationError when the adapter changes nothing (see the module docstring)."""
-    order = {m: i for i, m in enumerate(LORA_MODULES)}
+    order = {m: i for i, m in enumerate((*LORA_MODULES, *MOE_GATES, *EXPERT_MODULES))}
     items: list[tuple[tuple[int, str], LoraPair]] = sorted(
-        adapter.weights.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])
+        [*adapter.weights.items(), *adapter.experts.items()], key=lambda kv: (kv[0][0], order[kv[0][1]])
     )
     if adapter.embedding is not None:
         items.insert(0, ((EMBEDDING_LAYER, "embed_tokens"), adapter.embedding))
@@ -54,7 +61,8 @@ def coverage_report(
         relative = None if not norm else fro / norm
         kind = "dora" if pair.magnitude is not None or pair.out_scale is not None else "lora"
         kind = ("embedding" if module == "embed_tokens" else module) if layer == EMBEDDING_LAYER else kind
-        modules.append(ModuleCoverage(layer, module, kind, int(pair.a.shape[0]), pair.scale, fro, relative))
+        rank = int(pair.a.shape[-2])  # [r, in], or [E, r, in] on experts
+        modules.append(ModuleCoverage(layer, module, kind, rank, pair.scale, fro, relative))
     for key, matrix in adapter.replacements.items():
         fro = float(torch.linalg.norm(matrix.double()))
         found = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)  # a layer's norm: (layer, its name)

@@ -86,12 +86,12 @@ _FACTOR_NAMES = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector", "W"
 
 
 def checked_magnitude(
-    key: str, module: str, pair: dict[str, torch.Tensor], base: BaseModelShapes
+    key: str, module: str, pair: dict[str, torch.Tensor], base: BaseModelShapes, layer: int | None = None
 ) -> torch.Tensor:
     """DoRA's magnitude of one targeted module as float32 [out_features], finite (the served scale is
     computed from it in float32 whatever the serving dtype)."""
     name = f"{_PREFIX}{key}.lora_magnitude_vector"
-    out_features = base.module_shape(module)[1]
+    out_features = base.module_shape(module, layer)[1]
     if "M" not in pair:
         raise AdapterFormatError(f"adapter_config.json sets use_dora but tensor {name} is missing")
     magnitude = pair["M"]
@@ -109,13 +109,14 @@ def checked_magnitude(
 
 
 def checked_factors(
-    key: str, module: str, pair: dict[str, torch.Tensor], r: int, base: BaseModelShapes, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+    key: str, module: str, pair: dict[str, torch.Tensor], r: int, base: BaseModelShapes, dtype: torch.dtype,
+    layer: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(A, B) of one targeted module as `dtype`, after checking presence, shapes and finiteness."""
     if "A" not in pair or "B" not in pair:
         missing = [f"{_PREFIX}{key}.lora_{w}.weight" for w in "AB" if w not in pair]
         raise AdapterFormatError(f"adapter_config.json targets {key!r} but tensors {missing} are missing")
-    in_features, out_features = base.module_shape(module)
+    in_features, out_features = base.module_shape(module, layer)
     expected = {"A": (r, in_features), "B": (out_features, r)}  # A [r, in], B [out, r]
     factors = []
     for which in "AB":

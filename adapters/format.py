@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from adapters.experts import expert_pairs, refuse_per_expert_layout, take_expert_tensors
 from adapters.factors import (
     check_delta_bound,
     check_embedding_bound,
@@ -43,20 +44,20 @@ from adapters.factors import (
 from adapters.files import WEIGHTS_NAME, AdapterFiles, read_adapter_files
 from adapters.lm_head import check_weight_tying, checked_head_copy, checked_lm_head
 from adapters.peft_fields import SUPPORTED_MODEL_TYPES, check_fields, check_type
-from adapters.peft_rank import parse_spec
+from adapters.peft_params import resolve_parameters
+from adapters.peft_rank import LoraSpec, parse_spec
 from adapters.peft_targets import EMBEDDING_TARGET, LM_HEAD_TARGET, resolve_targets
 from adapters.replacements import replaced_modules, take_replacements
 from adapters.safetensors_header import check_header, mapped_tensors
 from adapters.types import (
+    EXPERT_MODULES,
     FUSED_PROJECTIONS,
     LORA_MODULES,
+    MOE_GATES,
     AdapterFormatError,
     AdapterValidationError,
     BaseModelShapes,
 )
-
-# MoE bases the engine serves without adapters (base_engine/model/moe.py).
-MOE_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,9 @@ class LoraAdapter:
     # modules_to_save (adapters/replacements.py): "lm_head" / "embed_tokens" -> the adapter's own
     # [vocab, hidden] matrix, which replaces the base module for its rows.
     replacements: dict[str, torch.Tensor] = field(default_factory=dict)
+    # LoRA on MoE expert tensors (adapters/experts.py): (layer, one of EXPERT_MODULES) -> a pair whose
+    # `a` is [E, r, in] and `b` [E, out, r], one delta per expert.
+    experts: dict[tuple[int, str], LoraPair] = field(default_factory=dict)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -104,7 +108,7 @@ class LoraAdapter:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        return tuple(sorted({layer for layer, _ in self.weights}))
+        return tuple(sorted({layer for layer, _ in (*self.weights, *self.experts)}))
 
 
 def parse_adapter(
@@ -116,12 +120,6 @@ def parse_adapter(
     max_replacement_bytes: int | None = None,
 ) -> LoraAdapter:
     """Check `files` against `base` and return the factors as `dtype` (see module docstring)."""
-    if base.model_type in MOE_MODEL_TYPES:
-        raise AdapterFormatError(
-            f"adapters on the mixture-of-experts base model_type={base.model_type!r} are not served yet "
-            "(LoRA on experts and on attention of MoE models is not implemented); the base model is served "
-            f"without adapters, and adapters are served on {SUPPORTED_MODEL_TYPES}"
-        )
     if base.model_type not in SUPPORTED_MODEL_TYPES:
         raise AdapterFormatError(
             f"base model_type={base.model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}"
@@ -129,7 +127,9 @@ def parse_adapter(
     check_fields(files.config)
     use_dora = bool(check_type(files.config, "use_dora", (bool, type(None)), False))
     spec = parse_spec(files.config)
-    targets = resolve_targets(files.config, base)
+    params = resolve_parameters(files.config, base)
+    targets = resolve_targets(files.config, base, allow_empty=bool(params))
+    expert_targets, rank_keys = _add_parameter_targets(params, targets, use_dora)
     replaced = replaced_modules(files.config, base, targets)
     check_header(files.weights_bytes)
     try:
@@ -141,11 +141,15 @@ def parse_adapter(
         raise AdapterFormatError(f"{WEIGHTS_NAME} could not be parsed: {exc}") from exc
     check_weight_tying(files.config, tensors)
     replacements = take_replacements(tensors, replaced, base, dtype, max_replacement_bytes)
+    if base.moe is not None:
+        refuse_per_expert_layout(tensors)
+    experts = _experts(take_expert_tensors(tensors, expert_targets), expert_targets, spec, base, dtype,
+                       max_lora_rank)  # fmt: skip
     by_module = split_tensors(tensors, targets, base, spec.has_velora, dora=use_dora)
     weights: dict[tuple[int, str], LoraPair] = {}
     embedding = embedding_copy = lm_head = lm_head_copy = None
     for key, (layer, module) in targets.items():
-        r, scale = spec.rank_and_scale(key)
+        r, scale = spec.rank_and_scale(rank_keys.get(key, key))
         if max_lora_rank is not None and r > max_lora_rank:
             raise AdapterValidationError(f"{key} has rank {r}, above max_lora_rank={max_lora_rank}")
         factors = by_module.get(key, {})
@@ -157,21 +161,62 @@ def parse_adapter(
             lm_head = _lm_head_pair(key, factors, r, scale, base, dtype, use_dora)
             lm_head_copy = checked_head_copy(key, factors, base)
             continue
-        a, b = checked_factors(key, module, factors, r, base, dtype)
+        a, b = checked_factors(key, module, factors, r, base, dtype, layer)
         check_delta_bound(key, a, b, scale, dtype)
-        magnitude = checked_magnitude(key, module, factors, base) if use_dora else None
+        magnitude = checked_magnitude(key, module, factors, base, layer) if use_dora else None
         pair = LoraPair(a=a, b=b, scale=scale, magnitude=magnitude)
         weights.update(_split_fused(layer, module, pair, base))
     ranks: dict[str, int] = {}
     for (_, module), pair in weights.items():
         ranks[module] = max(ranks.get(module, 0), pair.a.shape[0])
-    rank_by_module = {m: ranks[m] for m in LORA_MODULES if m in ranks}
+    for (_, module), pair in experts.items():
+        ranks[module] = max(ranks.get(module, 0), pair.a.shape[1])
+    rank_by_module = {m: ranks[m] for m in (*LORA_MODULES, *MOE_GATES, *EXPERT_MODULES) if m in ranks}
     extra = [p.a.shape[0] for p in (embedding, lm_head) if p is not None]
     max_rank = max([*ranks.values(), *extra])
     return LoraAdapter(
         rank_by_module=rank_by_module, max_rank=max_rank, weights=weights, embedding=embedding,
         embedding_copy=embedding_copy, lm_head=lm_head, lm_head_copy=lm_head_copy, replacements=replacements,
+        experts=experts,
     )  # fmt: skip
+
+
+def _add_parameter_targets(
+    params: dict[str, tuple[int, str]], targets: dict[str, tuple[int, str]], use_dora: bool
+) -> tuple[dict[str, tuple[int, str]], dict[str, str]]:
+    """Fold target_parameters into `targets`: a projection's weight is LoRA on its module (its rank and
+    alpha patterns looked up with the parameter key, as PEFT does); the expert tensors are returned."""
+    if params and use_dora:
+        raise AdapterFormatError(
+            "use_dora with target_parameters: PEFT's ParamWrapper does not support DoRA; expected use_dora "
+            "only with target_modules"
+        )
+    experts, rank_keys = {}, {}
+    for key, (layer, module) in params.items():
+        if module in EXPERT_MODULES:
+            experts[key] = (layer, module)
+            continue
+        module_key = key.removesuffix(".weight")
+        if module_key in targets:
+            raise AdapterFormatError(
+                f"{module_key!r} is targeted by both target_modules and target_parameters; PEFT refuses "
+                "that too (expected each module in one of them)"
+            )
+        targets[module_key] = (layer, module)
+        rank_keys[module_key] = key
+    return experts, rank_keys
+
+
+def _experts(
+    found: dict[tuple[int, str], dict[str, torch.Tensor]], targets: dict[str, tuple[int, str]],
+    spec: LoraSpec, base: BaseModelShapes, dtype: torch.dtype, max_lora_rank: int | None,
+) -> dict[tuple[int, str], LoraPair]:  # fmt: skip
+    ranks = {key: spec.rank_and_scale(key) for key in targets}
+    for key, (r, _) in ranks.items():
+        if max_lora_rank is not None and r > max_lora_rank:
+            raise AdapterValidationError(f"{key} has rank {r}, above max_lora_rank={max_lora_rank}")
+    pairs = expert_pairs(found, targets, ranks, base, dtype)
+    return {k: LoraPair(a=a, b=b, scale=scale) for k, (a, b, scale) in pairs.items()}
 
 
 def _embedding_pair(

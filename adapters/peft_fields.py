@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 # model.language_model.layers...), which adapter keys do not follow yet: refused by its model_type.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
+    "qwen3_moe", "qwen2_moe", "mixtral",
 )  # fmt: skip
 
 # Fields whose non-default value changes what the adapter computes in a way the engine cannot reproduce.
@@ -24,7 +25,6 @@ REFUSED_WHEN_SET: dict[str, str] = {
     "use_qalora": "QA-LoRA pools the input before lora_A",
     "lora_bias": "a trained bias on lora_B",
     "trainable_token_indices": "trained embedding rows",
-    "target_parameters": "LoRA on raw nn.Parameters, not on the projections",
     "layer_replication": "a different (replicated) layer stack",
     "megatron_config": "Megatron parallel-linear layers",
     "alora_invocation_tokens": "activated LoRA applies only after the invocation tokens",
@@ -41,7 +41,7 @@ _HARMLESS_INITS: tuple[str, ...] = ("gaussian", "eva", "orthogonal", "mica")
 APPLIED_FIELDS: frozenset[str] = frozenset(
     {"peft_type", "task_type", "r", "lora_alpha", "use_rslora", "target_modules", "exclude_modules"}
     | {"layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern", "bias", "init_lora_weights"}
-    | {"use_dora", "modules_to_save"}
+    | {"use_dora", "modules_to_save", "target_parameters"}
 )
 IGNORED_FIELDS: frozenset[str] = frozenset(
     {"lora_dropout", "fan_in_fan_out", "inference_mode", "base_model_name_or_path", "revision"}

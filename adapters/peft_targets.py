@@ -29,8 +29,10 @@ EMBEDDING_TARGET: tuple[int, str] = (-1, "embed_tokens")
 # The output embedding: LoRA on it is PEFT's `Linear` on `lm_head` (lora_A [r, hidden], lora_B [vocab, r]).
 LM_HEAD_KEY = "lm_head"
 LM_HEAD_TARGET: tuple[int, str] = (-1, "lm_head")
+# Model types PEFT has no default target_modules for (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+NO_DEFAULT_TARGETS: tuple[str, ...] = ("phi3", "qwen3_moe", "qwen2_moe")
 # Model types whose attention holds q_norm / k_norm modules (a pattern that selects them is refused).
-QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "gemma3_text")
+QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "gemma3_text", "qwen3_moe")
 # Gemma 2 / 3 layers norm before and after both attention and the MLP.
 GEMMA_MODEL_TYPES: tuple[str, ...] = ("gemma2", "gemma3_text")
 
@@ -52,13 +54,58 @@ def module_keys(base: BaseModelShapes) -> list[str]:
         keys += [layer, f"{layer}.self_attn"] + [f"{layer}.self_attn.{m}" for m in attention]
         if base.model_type in QK_NORM_MODEL_TYPES:
             keys += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
-        keys += [f"{layer}.mlp"] + [f"{layer}.mlp.{m}" for m in mlp]
+        dense = [f"{layer}.mlp.{m}" for m in mlp]
+        keys += [f"{layer}.mlp"] + (_moe_keys(base, i) if base.is_sparse(i) else dense)
         keys += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
         if base.model_type in GEMMA_MODEL_TYPES:
             keys += [f"{layer}.pre_feedforward_layernorm", f"{layer}.post_feedforward_layernorm"]
         if fused:  # Phi3DecoderLayer's dropouts
             keys += [f"{layer}.resid_attn_dropout", f"{layer}.resid_mlp_dropout"]
     return keys + ["model.norm", "model.rotary_emb", "lm_head"]
+
+
+def _moe_keys(base: BaseModelShapes, layer: int) -> list[str]:
+    """An MoE layer's MLP modules (transformers 5: the router `gate` and the fused `experts` hold no
+    nn.Linear; Qwen2-MoE's shared expert is a SwiGLU MLP and its gate an nn.Linear)."""
+    mlp = f"model.layers.{layer}.mlp"
+    keys = [f"{mlp}.gate", f"{mlp}.experts", f"{mlp}.experts.act_fn"]
+    if base.moe_shared_size is not None:
+        shared = f"{mlp}.shared_expert"
+        keys += [shared] + [f"{shared}.{m}" for m in ("gate_proj", "up_proj", "down_proj", "act_fn")]
+        keys.append(f"{mlp}.shared_expert_gate")
+    return keys
+
+
+# MoE modules a target may select that are not served as LoRA targets, and why.
+_MOE_REFUSED = {
+    "gate": "the MoE router, which is no nn.Linear: PEFT wraps its weight with target_parameters "
+    "['mlp.gate.weight']",
+    "experts": "the fused experts, which hold no nn.Linear: target their tensors with target_parameters "
+    "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']",
+}
+
+
+def _moe_hint(base: BaseModelShapes, name: str) -> str:
+    if base.moe is None or name.rsplit(".", 1)[-1] not in ("gate_proj", "up_proj", "down_proj"):
+        return ""
+    return (
+        f" ({base.model_type} routes its MLP to experts: target their tensors with target_parameters "
+        "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])"
+    )
+
+
+def linear_keys(base: BaseModelShapes) -> list[str]:
+    """What PEFT's "all-linear" expands to: every nn.Linear but the LM head."""
+    keys = []
+    for i in range(base.num_layers):
+        for m in base.projections:
+            if _PARENT[m] == "self_attn" or not base.is_sparse(i):
+                keys.append(projection_key(i, m))
+        if base.is_sparse(i) and base.moe_shared_size is not None:
+            shared = f"model.layers.{i}.mlp.shared_expert"
+            keys += [f"{shared}.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+            keys.append(f"model.layers.{i}.mlp.shared_expert_gate")
+    return keys
 
 
 def _fused_hint(base: BaseModelShapes, name: str | None = None) -> str:
@@ -155,7 +202,7 @@ class _Targets:
         return _layer_index(key, self.layers_pattern, self.patterns) in self.layer_indexes
 
 
-def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
+def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes, allow_empty: bool) -> _Targets:
     check_pattern_budget(cfg)
     modules = _str_or_list(cfg, "target_modules")
     exclude = _str_or_list(cfg, "exclude_modules")
@@ -174,8 +221,10 @@ def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
                 cache.get(name, value)
         for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern or []:
             _layers_regex(cache, pattern)
+    if modules is None and base.model_type in NO_DEFAULT_TARGETS and allow_empty:
+        modules = []  # PEFT leaves target_modules unset when target_parameters names what to wrap
     if modules is None:
-        if base.model_type in FUSED_MODEL_TYPES:
+        if base.model_type in NO_DEFAULT_TARGETS:
             raise AdapterFormatError(
                 f"adapter_config.json: target_modules is null and PEFT has no default targets for "
                 f"{base.model_type}; expected a list from {base.projections}"
@@ -189,19 +238,23 @@ def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes) -> _Targets:
                 raise AdapterFormatError(
                     f"target_modules entry {name!r} names no module of a {base.model_type} model; "
                     f"expected projections from {base.projections}{_fused_hint(base, name)}"
+                    f"{_moe_hint(base, name)}"
                 )
     if isinstance(modules, str) and modules.lower() == "all-linear":
         # PEFT expands this to every nn.Linear but the output embedding: exactly the projections.
-        modules = [projection_key(i, m) for i in range(base.num_layers) for m in base.projections]
+        modules = linear_keys(base)
     return _Targets(
         modules if isinstance(modules, str) else set(modules), exclude, layer_indexes, layers_pattern, cache
     )
 
 
-def resolve_targets(cfg: dict[str, Any], base: BaseModelShapes) -> dict[str, tuple[int, str]]:
+def resolve_targets(
+    cfg: dict[str, Any], base: BaseModelShapes, allow_empty: bool = False
+) -> dict[str, tuple[int, str]]:
     """Module key -> (layer, projection) for every module PEFT would wrap with LoRA on this base model;
-    the input embedding maps to `EMBEDDING_TARGET`, the LM head to `LM_HEAD_TARGET`."""
-    targets = _parse_targets(cfg, base)
+    the input embedding maps to `EMBEDDING_TARGET`, the LM head to `LM_HEAD_TARGET`. `allow_empty`: no
+    module may be targeted (target_parameters names what the adapter wraps)."""
+    targets = _parse_targets(cfg, base, allow_empty)
     resolved: dict[str, tuple[int, str]] = {}
     for key in module_keys(base):
         if not targets.matches(key):
@@ -209,7 +262,16 @@ def resolve_targets(cfg: dict[str, Any], base: BaseModelShapes) -> dict[str, tup
         if key in (EMBEDDING_KEY, LM_HEAD_KEY):
             resolved[key] = EMBEDDING_TARGET if key == EMBEDDING_KEY else LM_HEAD_TARGET
             continue
-        found = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)", key)
+        found = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp|mlp\.shared_expert)\.(\w+)", key)
+        if found is not None and found.group(2) == "shared_expert_gate" and base.moe_shared_size is not None:
+            resolved[key] = (int(found.group(1)), "shared_expert_gate")
+            continue
+        moe_part = re.fullmatch(r"model\.layers\.\d+\.mlp\.(\w+)", key)
+        if moe_part is not None and moe_part.group(1) in _MOE_REFUSED:
+            raise AdapterFormatError(
+                f"target_modules={cfg.get('target_modules')!r} selects {key!r}, "
+                f"{_MOE_REFUSED[moe_part.group(1)]}"
+            )
         if found is None or found.group(2) not in base.projections:
             raise AdapterFormatError(
                 f"target_modules={cfg.get('target_modules')!r} selects {key!r}, which is not one of the "
@@ -217,7 +279,7 @@ def resolve_targets(cfg: dict[str, Any], base: BaseModelShapes) -> dict[str, tup
                 "other modules is not supported"
             )
         resolved[key] = (int(found.group(1)), found.group(2))
-    if not resolved:
+    if not resolved and not allow_empty:
         raise AdapterFormatError(
             f"adapter targets no projection of the base model{_fused_hint(base)} "
             f"(target_modules={cfg.get('target_modules')!r}, exclude_modules={cfg.get('exclude_modules')!r}, "

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters.expert_slots import alloc_expert_slots, expert_bytes_per_slot, write_expert_slots
 from adapters.format import LoraAdapter, LoraPair
-from adapters.types import FUSED_PROJECTIONS, BaseModelShapes
+from adapters.types import FUSED_PROJECTIONS, MOE_GATES, BaseModelShapes
 from kernels.sgmv.layout import alloc_stacks
 
 # Packed projection -> the checkpoint modules it stacks, in output-column order.
@@ -38,6 +39,21 @@ PACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": FUSED_PROJECTIONS["gate_up_proj"],
     "down_proj": ("down_proj",),
 }
+
+
+_MOE_GATE_SLOTS = {gate: (gate,) for gate in MOE_GATES}
+
+
+def layer_projections(base: BaseModelShapes, layer: int) -> dict[str, tuple[str, ...]]:
+    """The packed projections layer `layer` has: all four on a dense layer; on an MoE layer attention,
+    the router, and Qwen2-MoE's shared expert (gate/up/down) and its gate."""
+    if not base.is_sparse(layer):
+        return PACKED_PROJECTIONS
+    keep = (
+        ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if base.has_mlp(layer) else ("qkv_proj", "o_proj")
+    )
+    gates = ("router", "shared_expert_gate") if base.moe_shared_size is not None else ("router",)
+    return {k: v for k, v in PACKED_PROJECTIONS.items() if k in keep} | {g: (g,) for g in gates}
 
 
 @dataclass(slots=True)
@@ -79,10 +95,10 @@ class SlotPool:
         self.max_rank = max_rank
         self.device = device
         self.layers: list[dict[str, ProjectionSlots]] = []
-        for _ in range(base.num_layers):
+        for layer in range(base.num_layers):
             per_proj = {}
-            for packed, modules in PACKED_PROJECTIONS.items():
-                shapes = [base.module_shape(m) for m in modules]  # (in, out) each
+            for packed, modules in layer_projections(base, layer).items():
+                shapes = [base.module_shape(m, layer) for m in modules]  # (in, out) each
                 # the layout the kernels read best on this device (kernels/sgmv/layout.py)
                 lora_a, lora_b = alloc_stacks(
                     num_slots, max_rank, shapes[0][0], [o for _, o in shapes], dtype=dtype, device=device
@@ -101,6 +117,8 @@ class SlotPool:
                     dora_slots=set(),
                 )
             self.layers.append(per_proj)
+        # MoE: per sparse layer, the expert tensors' virtual slots (adapters/expert_slots.py)
+        self.experts = alloc_expert_slots(base, num_slots, max_rank, dtype, device)
         self.embedding: dict[int, EmbeddingSlot] = {}  # slot -> its adapter's embedding LoRA, if any
         self.lm_head: dict[int, HeadSlot] = {}  # slot -> its adapter's lm_head LoRA, if any
         # slot -> {"lm_head" | "embed_tokens": [vocab, hidden]} of its adapter's modules_to_save, if any
@@ -112,12 +130,16 @@ class SlotPool:
     def bytes_per_slot(base: BaseModelShapes, max_rank: int, dtype: torch.dtype) -> int:
         """Factors at max_rank plus the float32 DoRA vectors (out_scale; out_shift where biased)."""
         element = torch.empty((), dtype=dtype, device="cpu").element_size()
-        per_layer = sum(sum(base.module_shape(m)) for mods in PACKED_PROJECTIONS.values() for m in mods)
-        vectors = 0
-        for modules in PACKED_PROJECTIONS.values():
-            width = sum(base.module_shape(m)[1] for m in modules)
-            vectors += width * (2 if any(m in base.bias_modules for m in modules) else 1)
-        return (per_layer * max_rank * element + vectors * 4) * base.num_layers
+        total = expert_bytes_per_slot(base, max_rank, dtype)
+        for layer in range(base.num_layers):
+            projections = layer_projections(base, layer)
+            factors = sum(sum(base.module_shape(m, layer)) for mods in projections.values() for m in mods)
+            vectors = 0
+            for modules in projections.values():
+                width = sum(base.module_shape(m, layer)[1] for m in modules)
+                vectors += width * (2 if any(m in base.bias_modules for m in modules) else 1)
+            total += factors * max_rank * element + vectors * 4
+        return total
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter's factors into slot `slot` (host -> device; non_blocking from pinned memory)."""
@@ -140,9 +162,10 @@ class SlotPool:
             self.lm_head[slot] = HeadSlot(
                 h.a.to(self.device, non_blocking=True), h.b.to(self.device, non_blocking=True), h.scale
             )
+        write_expert_slots(self.experts, slot, adapter)
         for layer, per_proj in enumerate(self.layers):
-            for packed, modules in PACKED_PROJECTIONS.items():
-                proj = per_proj[packed]
+            for packed, proj in per_proj.items():
+                modules = PACKED_PROJECTIONS.get(packed) or _MOE_GATE_SLOTS[packed]
                 self._write_out_vectors(proj, slot, [adapter.weights.get((layer, m)) for m in modules])
                 for s, module in enumerate(modules):
                     pair = adapter.weights.get((layer, module))

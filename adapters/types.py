@@ -19,6 +19,23 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 FUSED_MODEL_TYPES: frozenset[str] = frozenset({"phi3"})
+# LoRA on a mixture-of-experts layer's fused expert tensors (PEFT `target_parameters`), per layer: one
+# factor pair per expert, as `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I].
+EXPERT_MODULES: tuple[str, ...] = ("experts.gate_up_proj", "experts.down_proj")
+# The small linears of an MoE layer LoRA may change: the router (`mlp.gate`, [E, H]: each row's delta moves
+# its own routing) and Qwen2-MoE's shared-expert gate (`mlp.shared_expert_gate`, [1, H]).
+MOE_GATES: tuple[str, ...] = ("router", "shared_expert_gate")
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeShapes:
+    """The mixture-of-experts part of a base model (Qwen3-MoE, Qwen2-MoE, Mixtral), as adapters see it."""
+
+    num_experts: int
+    expert_intermediate_size: int
+    sparse_layers: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's shared expert (gate/up/down)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +51,7 @@ class BaseModelShapes:
     head_dim: int
     vocab_size: int
     bias_modules: tuple[str, ...] = ()  # projections with a base bias (Qwen2: q/k/v), in LORA_MODULES
+    moe: MoeShapes | None = None  # set on the MoE families
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -42,8 +60,39 @@ class BaseModelShapes:
             return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         return LORA_MODULES
 
-    def module_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of one projection (or fused projection), as nn.Linear sees it."""
+    def is_sparse(self, layer: int) -> bool:
+        """Whether `layer` routes its MLP to experts."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
+    def has_mlp(self, layer: int) -> bool:
+        """Whether `layer` has gate/up/down projections: a dense MLP, or Qwen2-MoE's shared expert."""
+        return not self.is_sparse(layer) or self.moe_shared_size is not None
+
+    @property
+    def moe_shared_size(self) -> int | None:
+        return None if self.moe is None else self.moe.shared_expert_intermediate_size
+
+    def expert_shape(self, module: str) -> tuple[int, int, int]:
+        """(num_experts, in_features, out_features) of one of EXPERT_MODULES."""
+        if self.moe is None:
+            raise ValueError(f"{self.model_type} has no experts")
+        size = self.moe.expert_intermediate_size
+        shapes = {
+            "experts.gate_up_proj": (self.hidden_size, 2 * size),
+            "experts.down_proj": (size, self.hidden_size),
+        }
+        if module not in shapes:
+            raise ValueError(f"unknown expert tensor {module!r}; expected one of {EXPERT_MODULES}")
+        return (self.moe.num_experts, *shapes[module])
+
+    def module_shape(self, module: str, layer: int | None = None) -> tuple[int, int]:
+        """(in_features, out_features) of one projection (or fused projection), as nn.Linear sees it; with
+        `layer` that layer's (on an MoE layer, gate/up/down are the shared expert's)."""
+        intermediate = self.intermediate_size
+        if layer is not None and self.is_sparse(layer) and module in _MLP_MODULES:
+            if self.moe_shared_size is None:
+                raise ValueError(f"layer {layer} of {self.model_type} routes its MLP to experts: no {module}")
+            intermediate = self.moe_shared_size
         q_out = self.num_attention_heads * self.head_dim
         kv_out = self.num_key_value_heads * self.head_dim
         shapes = {
@@ -51,12 +100,17 @@ class BaseModelShapes:
             "k_proj": (self.hidden_size, kv_out),
             "v_proj": (self.hidden_size, kv_out),
             "o_proj": (q_out, self.hidden_size),
-            "gate_proj": (self.hidden_size, self.intermediate_size),
-            "up_proj": (self.hidden_size, self.intermediate_size),
-            "down_proj": (self.intermediate_size, self.hidden_size),
+            "gate_proj": (self.hidden_size, intermediate),
+            "up_proj": (self.hidden_size, intermediate),
+            "down_proj": (intermediate, self.hidden_size),
             "qkv_proj": (self.hidden_size, q_out + 2 * kv_out),
-            "gate_up_proj": (self.hidden_size, 2 * self.intermediate_size),
+            "gate_up_proj": (self.hidden_size, 2 * intermediate),
         }
+        if self.moe is not None:
+            shapes |= {
+                "router": (self.hidden_size, self.moe.num_experts),
+                "shared_expert_gate": (self.hidden_size, 1),
+            }
         if module not in shapes:
             raise ValueError(f"unknown projection {module!r}; expected one of {tuple(shapes)}")
         return shapes[module]

@@ -160,6 +160,8 @@ def build_state(settings: Settings) -> AppState:
             base_model=state.model_name,
             random_adapters=settings.is_random_demo,
         )
+        for name, fields in state.demo.generation_defaults.items():
+            inference.adapter_defaults.set(state.demo.tenant_id, name, fields)
     if settings.lora_modules or settings.static_api_key is not None:  # `vllm serve` flags
         try:
             issued = ensure_static_tenant(

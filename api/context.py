@@ -30,11 +30,13 @@ ID_PREFIX: dict[RequestKind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
 assigned_request_id: ContextVar[str | None] = ContextVar("assigned_request_id", default=None)
 
 
-def new_request_id(kind: RequestKind) -> str:
+def new_request_id(kind: RequestKind, client_id: str | None = None) -> str:
+    """The fleet ingress's id, else `<prefix>-<client's X-Request-Id>` (api/inference/client_id.py),
+    else `<prefix>-<32 random hex digits>`."""
     assigned = assigned_request_id.get()
     if assigned is not None and assigned.startswith(f"{ID_PREFIX[kind]}-"):
         return assigned
-    return f"{ID_PREFIX[kind]}-{secrets.token_hex(16)}"
+    return f"{ID_PREFIX[kind]}-{client_id or secrets.token_hex(16)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,7 @@ class RequestContext:
     num_prompt_tokens: int = 0  # over all prompts, each counted once
     max_new_tokens: int = 0  # sum of max_tokens over all choices (quota estimates)
     priority: int = 0  # its priority class (lower = more urgent; api/tenancy/priority.py)
+    client_id: str | None = None  # the client's X-Request-Id (unique within its tenant only), if used
     created: int = field(default_factory=lambda: int(time.time()))
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     engine_request_ids: list[str] = field(default_factory=list)  # index = choice index
@@ -87,8 +90,19 @@ class RequestContext:
     def num_choices(self) -> int:
         return self.num_prompts * self.n
 
+    @property
+    def header_id(self) -> str:
+        """The response's `X-Request-Id`: the client's own, echoed, else the request id."""
+        return self.client_id or self.request_id
+
+    @property
+    def engine_key(self) -> str:
+        """Unique across tenants: a client's X-Request-Id is unique only within its tenant, so the
+        engine (and InFlight) key its requests by the id and the tenant."""
+        return self.request_id if self.client_id is None else f"{self.request_id}@{self.tenant_id}"
+
     def engine_request_id(self, index: int) -> str:
-        return self.request_id if self.num_choices == 1 else f"{self.request_id}-{index}"
+        return self.engine_key if self.num_choices == 1 else f"{self.engine_key}-{index}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,17 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+def request_id_in_use(request_id: str) -> APIError:
+    """409: the tenant already used this `X-Request-Id` (api/inference/client_id.py)."""
+    return APIError(
+        409,
+        f"X-Request-Id {request_id!r} is already in use by this tenant (in flight or already billed); "
+        "send a new id for every request",
+        param="X-Request-Id",
+        code="request_id_in_use",
+    )
+
+
 def database_unavailable() -> APIError:
     return APIError(503, "The database is unavailable; retry later.", code="database_unavailable")
 

@@ -142,6 +142,9 @@ class Settings(BaseSettings):
     # Speculative decoding (base_engine/speculative/): "ngram" or None (off); drafts per request and step.
     speculative: str | None = None
     num_speculative_tokens: int = Field(4, ge=1)
+    # No drafts in a step with this many decodes: None = measured at start (base_engine/speculative/probe.py),
+    # 0 = never switched off.
+    speculative_off_batch: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -214,6 +217,7 @@ class Settings(BaseSettings):
             priority_aging_s=self.priority_aging_s,
             speculative=self.speculative,
             num_speculative_tokens=self.num_speculative_tokens,
+            speculative_off_batch=self.speculative_off_batch,
         )
 
 

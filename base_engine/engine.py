@@ -20,12 +20,13 @@ from base_engine.detokenizer import Detokenizer
 from base_engine.engine_config import EngineConfig
 from base_engine.invariant import Determinism
 from base_engine.logit_rules import check_rule_token_ids
-from base_engine.lora import LoraStepBatch, ModelWeights, make_lora_manager
+from base_engine.lora import LoraStepBatch, make_lora_manager
 from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
 from base_engine.model.int8 import quantize_int8
 from base_engine.model.tokenizer import load_tokenizer
 from base_engine.model.weights import load_model
+from base_engine.model_weights import ModelWeights
 from base_engine.outputs import ITERATION_TOKEN_BUCKETS, NON_FINITE, EngineStats, RequestOutput
 from base_engine.postprocess import check_stop, finish_output, step_output
 from base_engine.priority import PriorityPolicy
@@ -42,6 +43,7 @@ from base_engine.sampling_params import SamplingParams
 from base_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from base_engine.sequence import Sequence, SequenceStatus
 from base_engine.speculative.draft_model import DraftModelProposer, draft_dir
+from base_engine.speculative.probe import measure_off_batch
 from base_engine.speculative.rows import group_rows, sampling_rows
 from base_engine.speculative.speculator import Speculator, parse_speculative
 from base_engine.speculative.verify import accepted_tokens
@@ -133,12 +135,16 @@ class LLMEngine:
                 method, self.config.num_speculative_tokens, self.max_model_len, self._drafter(method)
             )
         )
+        if self.speculator is not None:
+            self.speculator.off_batch = self._speculation_off_batch()
         self.determinism = Determinism(
             model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
         )
-        # Decode-only steps replay these on CUDA (None: every step runs eagerly).
+        # Decode-only steps replay these on CUDA (None: every step runs eagerly). Not on MoE models: the
+        # grouped GEMM's segments and the expert LoRA's (adapter, expert) metadata follow each step's routing.
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and self.config.enable_cuda_graphs and self.runner.use_paged:
+        dense = self.model_config.moe is None
+        if self.device.type == "cuda" and self.config.enable_cuda_graphs and self.runner.use_paged and dense:
             self.graphs = self.make_decode_graphs(capture=True)
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
@@ -155,6 +161,13 @@ class LLMEngine:
         if path is None:
             return None
         return DraftModelProposer(path, self.model_config, self.tokenizer, device=self.device)
+
+    def _speculation_off_batch(self) -> int | None:
+        off = self.config.speculative_off_batch
+        if off is None:
+            k, max_seqs = self.config.num_speculative_tokens, self.config.max_num_seqs
+            return measure_off_batch(self.runner, k, max_seqs, self.max_model_len)
+        return None if off == 0 else off
 
     @cached_property
     def base_weight_norms(self) -> dict[tuple[int, str], float]:
@@ -432,4 +445,5 @@ class LLMEngine:
             iteration_token_counts=tuple(self.iteration_token_counts),
             iteration_tokens_sum=self.iteration_tokens_sum,
             spec_decode={} if self.speculator is None else self.speculator.stats.snapshot(),
+            spec_acceptance={} if self.speculator is None else self.speculator.stats.acceptance_by_ref(),
         )

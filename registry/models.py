@@ -153,11 +153,13 @@ class UsageRow(Base):
     __table_args__ = (
         Index("ix_usage_records_tenant_id_finished_at", "tenant_id", "finished_at"),
         Index("ix_usage_records_txid_id", "txid", "id"),
+        # a client's X-Request-Id is unique within its tenant only (migration 0009)
+        UniqueConstraint("tenant_id", "request_id"),
     )
 
     # Export cursor order. BIGINT on PostgreSQL; SQLite needs exactly INTEGER for its rowid alias.
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
-    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    request_id: Mapped[str] = mapped_column(String(160))  # prefix + up to 128 client characters
     tenant_id: Mapped[str] = mapped_column(String(32))
     key_prefix: Mapped[str | None] = mapped_column(String(16))
     adapter_name: Mapped[str | None] = mapped_column(String(64))  # NULL = base model

@@ -1,7 +1,7 @@
 """Usage records for billing: one row per engine request, idempotent by request id.
 
 The pattern of ../shared/reference/platform.md, section 3.2: rows are written with
-INSERT ... ON CONFLICT (request_id) DO NOTHING (SQLite and PostgreSQL), so replaying a batch after
+INSERT ... ON CONFLICT (tenant_id, request_id) DO NOTHING (SQLite and PostgreSQL), so replaying a batch after
 a crash or retry never double-bills; the export hands rows out at-least-once with the request id as
 the CloudEvents 1.0 `id`, so any downstream billing system can dedupe. Time ranges and days use
 `finished_at` in UTC. The export's cursor is commit-safe with several writers (a fleet's replicas on
@@ -93,8 +93,9 @@ class UsagePage:
 
 @transactional
 def write_usage(session: Session, records: list[UsageRecord]) -> int:
-    """Insert the records whose request id is new; returns how many were inserted."""
-    unique = list({r.request_id: r for r in reversed(records)}.values())[::-1]  # first of duplicates wins
+    """Insert the records whose (tenant, request id) is new; returns how many were inserted."""
+    by_key = {(r.tenant_id, r.request_id): r for r in reversed(records)}
+    unique = list(by_key.values())[::-1]  # first of duplicates wins
     if not unique:
         return 0
     dialect = session.get_bind().dialect.name
@@ -105,9 +106,18 @@ def write_usage(session: Session, records: list[UsageRecord]) -> int:
     stmt = insert(table)
     if dialect == "postgresql":  # the export's commit-safe order (export_usage)
         stmt = stmt.values(txid=literal_column("pg_current_xact_id()::text::bigint"))
-    stmt = stmt.on_conflict_do_nothing(index_elements=["request_id"]).returning(table.c.request_id)
+    stmt = stmt.on_conflict_do_nothing(index_elements=["tenant_id", "request_id"]).returning(
+        table.c.request_id
+    )
     inserted = session.execute(stmt, [dataclasses.asdict(r) for r in unique]).all()
     return len(inserted)
+
+
+@transactional
+def is_request_id_used(session: Session, *, tenant_id: str, request_id: str) -> bool:
+    """Whether the tenant was already billed a request with this id (the unique key's index)."""
+    stmt = select(UsageRow.id).where(UsageRow.tenant_id == tenant_id, UsageRow.request_id == request_id)
+    return session.execute(stmt.limit(1)).first() is not None
 
 
 def _day(session: Session) -> ColumnElement[str]:
@@ -217,14 +227,15 @@ def _parse_cursor(cursor: str | None) -> tuple[int, int]:
 
 
 def to_cloudevent(record: UsageRecord, *, source: str = "loraserve") -> dict[str, Any]:
-    """A CloudEvents 1.0 JSON event of one record; `id` is the request id (the dedupe key)."""
+    """A CloudEvents 1.0 JSON event of one record; `id` is the request id, unique within its tenant, so
+    `source` names the tenant too (`<source>/tenants/<tenant id>`): (source, id) is the dedupe key."""
     data = dataclasses.asdict(record)
     data["created_at"] = record.created_at.isoformat()
     data["finished_at"] = record.finished_at.isoformat()
     return {
         "specversion": "1.0",
         "type": CLOUDEVENT_TYPE,
-        "source": source,
+        "source": f"{source}/tenants/{record.tenant_id}",
         "id": record.request_id,
         "subject": record.tenant_id,
         "time": record.finished_at.isoformat(),

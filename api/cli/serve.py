@@ -145,6 +145,13 @@ def serve(
         int | None,
         typer.Option(help=f"most draft tokens per request and step {_default('num_speculative_tokens')}"),
     ] = None,
+    speculative_off_batch: Annotated[
+        int | None,
+        typer.Option(
+            help="no drafts in a step with this many decoding requests (0: never) "
+            "[default: measured at start]"
+        ),
+    ] = None,
     fleet: Annotated[
         bool | None,
         typer.Option(

@@ -13,11 +13,12 @@ SmolLM2-135M-Instruct) or with `--model random-demo`, then reused: the demo tena
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -55,6 +56,15 @@ DEMO_CHECKPOINT = {
 
 # The trained adapters of the default model, one directory per trait (scripts/train_demo_adapters.py).
 DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
+# Each trained demo adapter's sampling defaults, applied where a request omits the field
+# (api/inference/adapter_defaults.py): `shout` loops under greedy decoding without a penalty.
+GENERATION_DEFAULTS_FILE = DEMO_ADAPTERS_DIR / "generation-defaults.json"
+
+
+def demo_generation_defaults() -> dict[str, dict[str, float]]:
+    """The shipped adapters' sampling defaults: adapter name -> {field: value}."""
+    raw = json.loads(GENERATION_DEFAULTS_FILE.read_text())
+    return {name: dict(fields) for name, fields in raw.items() if name in TRAITS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +74,9 @@ class DemoInfo:
     tenant_name: str
     api_key: str
     adapter_names: tuple[str, ...]
+    tenant_id: str = ""
+    # adapter name -> the sampling defaults it is served with (GENERATION_DEFAULTS_FILE)
+    generation_defaults: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def ensure_demo_checkpoint(model_dir: Path) -> Path:
@@ -150,4 +163,10 @@ def ensure_demo_tenant(
                     base_model=base_model,
                 )
             logger.info("registered demo adapter %s", name)
-    return DemoInfo(tenant_name=DEMO_TENANT, api_key=api_key, adapter_names=names)
+    return DemoInfo(
+        tenant_name=DEMO_TENANT,
+        api_key=api_key,
+        adapter_names=names,
+        tenant_id=tenant.id,
+        generation_defaults={} if random_adapters else demo_generation_defaults(),
+    )

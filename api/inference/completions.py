@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from api.context import Caller, RequestKind, compute_usage, new_request_id
 from api.errors import APIError
 from api.inference import provenance
+from api.inference.client_id import client_request_id
 from api.inference.planning import GenerationPlan, fetch_adapter, plan_generation
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from api.inference.responses import (
@@ -51,10 +52,12 @@ async def create_completion(
     body: CompletionRequest | ChatCompletionRequest,
     kind: RequestKind,
 ) -> Response:
-    plan = await _plan(inference=inference, session=session, caller=caller, body=body, kind=kind)
+    plan = await _plan(
+        inference=inference, request=request, session=session, caller=caller, body=body, kind=kind
+    )
     ticket = await _admit(inference=inference, plan=plan)
     ctx = plan.ctx
-    headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers, **provenance.headers(ctx.provenance)}
+    headers = {"X-Request-Id": ctx.header_id, **ctx.response_headers, **provenance.headers(ctx.provenance)}
     if plan.stream:
         return _stream(inference=inference, plan=plan, ticket=ticket, headers=headers)
     return await _answer(inference=inference, request=request, plan=plan, ticket=ticket, headers=headers)
@@ -63,19 +66,27 @@ async def create_completion(
 async def _plan(
     *,
     inference: Inference,
+    request: Request,
     session: Session,
     caller: Caller,
     body: CompletionRequest | ChatCompletionRequest,
     kind: RequestKind,
 ) -> GenerationPlan:
     try:
+        client_id = client_request_id(request)  # 400 when malformed (api/inference/client_id.py)
         inference.quotas.precheck(caller.tenant.id, caller.tenant.quotas)  # nothing tokenized for a 429
     except APIError as exc:
         exc.headers = {"X-Request-Id": new_request_id(kind), **exc.headers}
         raise
     async with inference.plan_gate.slot(caller.tenant.id):  # one tenant cannot fill the worker threads
         return await run_in_threadpool(
-            plan_generation, inference=inference, session=session, caller=caller, body=body, kind=kind
+            plan_generation,
+            inference=inference,
+            session=session,
+            caller=caller,
+            body=body,
+            kind=kind,
+            client_id=client_id,
         )
 
 
@@ -94,7 +105,7 @@ async def _admit(*, inference: Inference, plan: GenerationPlan) -> Ticket:
             return await run_in_threadpool(admit, **collaborators, ctx=ctx, num_requests=num_requests)
         return admit(**collaborators, ctx=ctx, num_requests=num_requests)
     except APIError as exc:
-        exc.headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers, **exc.headers}
+        exc.headers = {"X-Request-Id": ctx.header_id, **ctx.response_headers, **exc.headers}
         raise
 
 

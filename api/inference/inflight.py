@@ -32,7 +32,7 @@ class InFlight:
         self._meter = meter
         self._metrics = metrics
         self._by_engine_id: dict[str, RequestContext] = {}
-        self._finals: dict[str, dict[str, RequestOutput]] = {}  # ctx.request_id -> engine id -> final
+        self._finals: dict[str, dict[str, RequestOutput]] = {}  # ctx.engine_key -> engine id -> final
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -40,7 +40,7 @@ class InFlight:
 
     def add(self, ctx: RequestContext) -> None:
         with self._lock:
-            self._finals[ctx.request_id] = {}
+            self._finals[ctx.engine_key] = {}
             for eid in ctx.engine_request_ids:
                 self._by_engine_id[eid] = ctx
 
@@ -58,11 +58,11 @@ class InFlight:
             ctx = self._by_engine_id.pop(out.request_id, None)
             if ctx is None:
                 return
-            finals = self._finals[ctx.request_id]
+            finals = self._finals[ctx.engine_key]
             finals[out.request_id] = out
             if len(finals) < len(ctx.engine_request_ids):
                 return
-            del self._finals[ctx.request_id]
+            del self._finals[ctx.engine_key]
         self._request_finished(ctx, [finals[eid] for eid in ctx.engine_request_ids])
 
     def _request_finished(self, ctx: RequestContext, finals: list[RequestOutput]) -> None:

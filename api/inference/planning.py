@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from api.context import Caller, RequestContext, RequestKind, new_request_id
-from api.errors import APIError, model_not_found
+from api.context import ID_PREFIX, Caller, RequestContext, RequestKind, new_request_id
+from api.errors import APIError, model_not_found, request_id_in_use
 from api.inference.adapter_fetch import AdapterFetch, StoreUnreachable, adapter_unavailable
 from api.inference.echo import EchoPrompt, echo_prompts
 from api.inference.limits import check_fan_out_and_stops, check_logprob_entries
@@ -43,6 +43,7 @@ from base_engine.constraints import CompiledGrammar
 from registry.adapters import resolve_adapter
 from registry.errors import NotFound, RegistryError
 from registry.types import AdapterVersionInfo
+from registry.usage import is_request_id_used
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def plan_generation(
     caller: Caller,
     body: CompletionRequest | ChatCompletionRequest,
     kind: RequestKind,
+    client_id: str | None = None,
 ) -> GenerationPlan:
     include_usage = check_stream_options(body)
     refuse_beam_search(body)
@@ -99,8 +101,10 @@ def plan_generation(
     if isinstance(body, CompletionRequest):
         echo = echo_prompts(body, encoded, prompts, engine.tokenizer)
     grammar = request_grammar(engine, body, tools)  # compiled here, in this worker thread
+    request_id, client_id = _request_id(session=session, caller=caller, kind=kind, client_id=client_id)
     ctx = RequestContext(
-        request_id=new_request_id(kind),
+        request_id=request_id,
+        client_id=client_id,
         kind=kind,
         tenant_id=caller.tenant.id,
         tenant_name=caller.tenant.name,
@@ -117,7 +121,7 @@ def plan_generation(
     )
     if tools is not None and tools.in_system_prompt:  # the template cannot render tools (tool_prompt.py)
         ctx.response_headers[TOOLS_HEADER] = SYSTEM_PROMPT_TOOLS
-    seed = request_seed(body, inference.seeds, ctx.request_id)
+    seed = request_seed(body, inference.seeds, ctx.engine_key)
     deterministic = inference.is_deterministic or bool(body.deterministic)
     if deterministic and (reason := engine.determinism_refusal()) is not None:
         raise APIError(400, reason, param="deterministic", code="unsupported_value")
@@ -136,6 +140,9 @@ def plan_generation(
         seed=seed,
         deterministic=deterministic,
         cache_salt=tenant_cache_salt(inference.server_secret, caller.tenant.id),
+        # the adapter's own defaults first, then the checkpoint's (api/inference/adapter_defaults.py)
+        defaults=generation_defaults(engine.model_dir)
+        | inference.adapter_defaults.get(caller.tenant.id, adapter.name if adapter else None),
     )
     ctx.engine_request_ids = [r.request_id for r in requests]
     ctx.max_new_tokens = sum(r.params.max_tokens for r in requests)
@@ -156,6 +163,19 @@ def plan_generation(
     return plan
 
 
+def _request_id(
+    *, session: Session, caller: Caller, kind: RequestKind, client_id: str | None
+) -> tuple[str, str | None]:
+    """The request id and the client id it uses (None when the fleet ingress's id won, or none was
+    sent); 409 when the tenant was already billed under it (in flight: admission's check)."""
+    request_id = new_request_id(kind, client_id)
+    if client_id is None or request_id != f"{ID_PREFIX[kind]}-{client_id}":
+        return request_id, None
+    if is_request_id_used(session, tenant_id=caller.tenant.id, request_id=request_id):
+        raise request_id_in_use(client_id)
+    return request_id, client_id
+
+
 def _engine_requests(
     *,
     engine: AsyncEngine,
@@ -168,9 +188,9 @@ def _engine_requests(
     seed: int | None,
     deterministic: bool,
     cache_salt: bytes,
+    defaults: dict[str, float | int],
 ) -> list[EngineRequest]:
     """One engine request per choice, each validated by the engine (400 when it would refuse it)."""
-    defaults = generation_defaults(engine.model_dir)
     rules = logit_rule_options(body, engine.tokenizer, engine.vocab_size)
     requests = []
     for p, prompt_ids in enumerate(prompts):

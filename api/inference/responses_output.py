@@ -128,10 +128,12 @@ async def create_response(
     *, inference: Inference, request: Request, session: Session, caller: Caller, body: ResponsesRequest
 ) -> Response:
     chat = chat_request(body)
-    plan = await _plan(inference=inference, session=session, caller=caller, body=chat, kind="chat")
+    plan = await _plan(
+        inference=inference, request=request, session=session, caller=caller, body=chat, kind="chat"
+    )
     ticket = await _admit(inference=inference, plan=plan)
     ctx = plan.ctx
-    headers = {"X-Request-Id": ctx.request_id, **ctx.response_headers, **provenance.headers(ctx.provenance)}
+    headers = {"X-Request-Id": ctx.header_id, **ctx.response_headers, **provenance.headers(ctx.provenance)}
     resp_id, created = "resp_" + ctx.request_id.split("-", 1)[-1], int(time.time())
     if plan.stream:
 

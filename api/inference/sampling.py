@@ -9,7 +9,8 @@ too long to fit whatever it encodes to is refused before it is encoded (`refuse_
 Sampling fields a request leaves out take the checkpoint's `generation_config.json` values, as vLLM
 does by default (`--generation-config auto`): temperature, top_p, top_k, min_p, repetition_penalty,
 each only where it differs from transformers' GenerationConfig default (vLLM reads the file's
-`to_diff_dict()`), then SamplingParams' own defaults.
+`to_diff_dict()`), then SamplingParams' own defaults. An adapter's own defaults
+(api/inference/adapter_defaults.py) come before the checkpoint's.
 
 Seeds and `deterministic`: every request runs with a seed; one that sends none gets one drawn
 by the server (63 bits, `SeedSource`: HMAC-SHA256 of the request id under the server secret, with

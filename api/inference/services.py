@@ -3,8 +3,9 @@ api/bootstrap.py and handed to the routes by api/deps.py's `InferenceDep`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from api.inference.adapter_defaults import AdapterDefaults
 from api.inference.adapter_fetch import AdapterFetch
 from api.inference.inflight import InFlight
 from api.inference.limits import RequestLimits
@@ -35,3 +36,5 @@ class Inference:
     plan_gate: PlanGate  # per-tenant bound on requests being planned at once
     adapter_fetch: AdapterFetch | None  # fetches an adapter's files before admission
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser: the tool syntax (None: the template's)
+    # sampling defaults stored with adapters (api/inference/adapter_defaults.py; the demo tenant's)
+    adapter_defaults: AdapterDefaults = field(default_factory=AdapterDefaults)

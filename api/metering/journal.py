@@ -3,9 +3,11 @@
 `{"op": "begin", request_id, tenant_id, key_prefix, adapter_name, adapter_version, prompt_tokens,
 created_at, completion_tokens, cached_prompt_tokens, user, provenance}` when a request is admitted
 (and, with the progress so far, when compaction rewrites the file); `{"op": "progress", request_id,
-completion_tokens, cached_prompt_tokens}` as a stream hands tokens to its client; `{"op": "finish",
+completion_tokens, cached_prompt_tokens, tenant_id}` as a stream hands tokens to its client; `{"op": "finish",
 "record": {UsageRecord fields}}` when it ends. Times are ISO 8601 with their UTC offset. The reader
 does not depend on line order (the largest progress of a request counts, a finish overrides all).
+Requests are keyed by (tenant_id, request_id): two tenants may use the same client X-Request-Id; a
+progress line written before lines carried tenant_id matches its request id in any tenant.
 A line cut short by a crash does not parse and is skipped (api/metering/meter.py, `UsageMeter.recover`).
 """
 
@@ -44,7 +46,7 @@ class InFlightRequest:
 
     @property
     def progress(self) -> Progress:
-        return Progress(self.request_id, self.completion_tokens, self.cached_prompt_tokens)
+        return Progress(self.request_id, self.completion_tokens, self.cached_prompt_tokens, self.tenant_id)
 
     def with_progress(self, progress: Progress) -> InFlightRequest:
         """This request with `progress` applied; counts never go down (lines may come in any order)."""
@@ -85,6 +87,7 @@ class Progress:
     request_id: str
     completion_tokens: int
     cached_prompt_tokens: int
+    tenant_id: str | None = None  # None: a line from before lines carried it (any tenant's request)
 
 
 def begin_line(req: InFlightRequest) -> str:
@@ -125,9 +128,9 @@ def replay(paths: list[Path], crashed_at: datetime) -> tuple[list[UsageRecord], 
     """What a crashed run's journal files (read in order) still owe: every finished record, and every
     begun request without one, billed as aborted at `crashed_at` with its largest progress. Returns
     (records, how many of them were unfinished)."""
-    begun: dict[str, InFlightRequest] = {}
+    begun: dict[tuple[str, str], InFlightRequest] = {}
     progress: list[Progress] = []
-    finished: dict[str, UsageRecord] = {}
+    finished: dict[tuple[str, str], UsageRecord] = {}
     for path in paths:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             try:
@@ -136,16 +139,17 @@ def replay(paths: list[Path], crashed_at: datetime) -> tuple[list[UsageRecord], 
                 logger.warning("skipping unreadable usage journal line %d of %s: %s", number, path, exc)
                 continue
             if isinstance(entry, InFlightRequest):
-                known = begun.get(entry.request_id)
-                begun[entry.request_id] = entry if known is None else known.with_progress(entry.progress)
+                key = (entry.tenant_id, entry.request_id)
+                known = begun.get(key)
+                begun[key] = entry if known is None else known.with_progress(entry.progress)
             elif isinstance(entry, Progress):
                 progress.append(entry)
             else:
-                finished.setdefault(entry.request_id, entry)
+                finished.setdefault((entry.tenant_id, entry.request_id), entry)
     for step in progress:  # lines come in any order: a progress line may precede its begin line
-        if step.request_id in begun:
-            begun[step.request_id] = begun[step.request_id].with_progress(step)
-    unfinished = [req.aborted(crashed_at) for rid, req in begun.items() if rid not in finished]
+        for key in [k for k in begun if k[1] == step.request_id and step.tenant_id in (None, k[0])]:
+            begun[key] = begun[key].with_progress(step)
+    unfinished = [req.aborted(crashed_at) for key, req in begun.items() if key not in finished]
     return [*finished.values(), *unfinished], len(unfinished)
 
 

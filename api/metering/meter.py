@@ -11,7 +11,7 @@ in front of it (line format in api/metering/journal.py):
 - `finish(record)` appends a `finish` line with the full `UsageRecord` and buffers the record.
 - The flusher thread writes the buffer (api/metering/outbox.py) to SQL every `flush_interval_s` (or as
   soon as `batch_size` records wait) through `registry.usage.write_usage`, which inserts with ON
-  CONFLICT (request_id) DO NOTHING, so replays never double-bill. After a successful write the
+  CONFLICT (tenant_id, request_id) DO NOTHING, so replays never double-bill. After a successful write the
   journal is compacted: a successor file holding only the requests still in flight (with their
   progress) and the records not yet written takes over, then replaces the old file.
 - `flush()` writes everything now (usage reads call it first, so a read includes every request
@@ -64,6 +64,17 @@ logger = logging.getLogger(__name__)
 # and route both reporting it) is ignored without growing memory without bound.
 _RECENT_IDS = 100_000
 PROGRESS_INTERVAL_S = 0.5
+# Requests are keyed by (tenant id, request id): a client's X-Request-Id is unique only within its
+# tenant (api/inference/client_id.py), as the usage table's unique key is (migration 0009).
+UsageKey = tuple[str, str]
+
+
+class DuplicateRequestId(Exception):
+    """`begin` of a request id this tenant already has in flight (or just finished)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request id {request_id!r} is already in use by this tenant")
+        self.request_id = request_id
 
 
 class UsageMeter:
@@ -87,9 +98,9 @@ class UsageMeter:
         self.batch_size = batch_size
         self.progress_interval_s = progress_interval_s
         self._lock = threading.Lock()  # journal handle, _open, _moved, the outbox's records, _recent
-        self._open: dict[str, InFlightRequest] = {}
-        self._moved: set[str] = set()  # open requests whose progress is not journaled yet
-        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._open: dict[UsageKey, InFlightRequest] = {}
+        self._moved: set[UsageKey] = set()  # open requests whose progress is not journaled yet
+        self._recent: OrderedDict[UsageKey, None] = OrderedDict()
         self._journal = JournalFile(self.journal_path, self._lock)
         self._outbox = UsageOutbox(
             session_factory, batch_size=batch_size, lock=self._lock, after_batch=self._compact
@@ -194,24 +205,30 @@ class UsageMeter:
         )
         with self._lock:
             self._require_started()
-            if request_id in self._open or request_id in self._recent:
-                raise ValueError(f"request id {request_id!r} was already metered; request ids must be unique")
-            self._open[request_id] = req
+            key = (tenant_id, request_id)
+            if key in self._open or key in self._recent:
+                raise DuplicateRequestId(request_id)
+            self._open[key] = req
             self._journal.append(begin_line(req))
 
-    def progress(self, request_id: str, *, completion_tokens: int, cached_prompt_tokens: int = 0) -> None:
+    def progress(
+        self, request_id: str, *, tenant_id: str, completion_tokens: int, cached_prompt_tokens: int = 0
+    ) -> None:
         """Note what a running request's client has been sent so far (totals, not increments).
 
         Memory only, O(1): safe on the event loop for every chunk. The journal thread writes it.
         """
         with self._lock:
-            req = self._open.get(request_id)
+            key = (tenant_id, request_id)
+            req = self._open.get(key)
             if req is None:  # finished already, or never begun
                 return
-            moved = req.with_progress(Progress(request_id, completion_tokens, cached_prompt_tokens))
+            moved = req.with_progress(
+                Progress(request_id, completion_tokens, cached_prompt_tokens, tenant_id)
+            )
             if moved != req:
-                self._open[request_id] = moved
-                self._moved.add(request_id)
+                self._open[key] = moved
+                self._moved.add(key)
 
     def finish(self, record: UsageRecord) -> bool:
         """Buffer a finished request's record; False (ignored) when that request was already finished.
@@ -220,14 +237,15 @@ class UsageMeter:
         """
         with self._lock:
             self._require_started()
-            if record.request_id in self._recent:
+            key = (record.tenant_id, record.request_id)
+            if key in self._recent:
                 logger.warning("usage for request %s reported twice; keeping the first", record.request_id)
                 return False
-            self._recent[record.request_id] = None
+            self._recent[key] = None
             if len(self._recent) > _RECENT_IDS:
                 self._recent.popitem(last=False)
-            self._open.pop(record.request_id, None)
-            self._moved.discard(record.request_id)
+            self._open.pop(key, None)
+            self._moved.discard(key)
             self._outbox.records.append(record)
             self._journal.append(finish_line(record))
             is_full = len(self._outbox.records) >= self.batch_size
@@ -235,8 +253,8 @@ class UsageMeter:
             self._wake.set()
         return True
 
-    def in_flight(self, request_id: str) -> InFlightRequest | None:
-        return self._open.get(request_id)
+    def in_flight(self, request_id: str, *, tenant_id: str) -> InFlightRequest | None:
+        return self._open.get((tenant_id, request_id))
 
     # ---- background work ----------------------------------------------------------------------
 
@@ -250,7 +268,7 @@ class UsageMeter:
         with self._lock:
             if not self._journal.is_open or not self._moved:
                 return 0
-            lines = [progress_line(self._open[rid]) for rid in self._moved if rid in self._open]
+            lines = [progress_line(self._open[key]) for key in self._moved if key in self._open]
             self._moved.clear()
             self._journal.append("".join(lines))
         return len(lines)

@@ -1,5 +1,5 @@
 """The usage meter's outbox: finished requests' records waiting for SQL, written in batches in finish
-order through `registry.usage.write_usage` (ON CONFLICT (request_id) DO NOTHING, so a replay never
+order through `registry.usage.write_usage` (ON CONFLICT (tenant_id, request_id) DO NOTHING, so a replay never
 double-bills), and put back in front, in order, when a write fails.
 
 Separate from api/metering/meter.py, which decides when to flush (its flusher thread, `stop`, usage reads)

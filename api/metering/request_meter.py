@@ -1,8 +1,8 @@
 """Metering as the request path calls it: `begin` once admitted, `progress` as a stream sends,
 `finish` when its last engine request has ended.
 
-What is metered (one `UsageRecord` per HTTP request, keyed by its request id = response `id` =
-`X-Request-Id`): every request that passed admission, for any end (finished, stopped, aborted by a
+What is metered (one `UsageRecord` per HTTP request, keyed by its tenant and its request id =
+response `id`): every request that passed admission, for any end (finished, stopped, aborted by a
 disconnect, timeout or shutdown, failed in the engine). Its tokens are exactly the response's `usage`
 (`api.context.compute_usage` over the final outputs): each prompt once, cached prompt tokens of the
 first choice, completion tokens of every choice. An admitted request pays for its prompt even when it
@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.context import RequestContext, Usage, compute_usage
 from api.metering.journal import InFlightRequest
-from api.metering.meter import UsageMeter
+from api.metering.meter import DuplicateRequestId, UsageMeter
 from base_engine.outputs import RequestOutput
 from registry.usage import UsageRecord
 
@@ -38,7 +38,8 @@ _REASON_ORDER = ("error", "abort", "length", "stop")
 
 class Meter(Protocol):
     def begin(self, ctx: RequestContext) -> None:
-        """The request was admitted: journal it, so a crash before it ends still bills its prompt."""
+        """The request was admitted: journal it, so a crash before it ends still bills its prompt.
+        Raises `DuplicateRequestId` when its tenant already has that request id in flight."""
 
     def progress(self, ctx: RequestContext, usage: Usage) -> None:
         """What a stream has handed its client so far; runs on the event loop, must not block."""
@@ -91,12 +92,15 @@ class RequestMeter:
                 user=ctx.user,
                 provenance=ctx.provenance,
             )
+        except DuplicateRequestId:  # admission refuses it with a 409 (api/tenancy/admission.py)
+            raise
         except (OSError, RuntimeError, ValueError):  # the request is still billed when it finishes
             logger.exception("could not journal request %s", ctx.request_id)
 
     def progress(self, ctx: RequestContext, usage: Usage) -> None:
         self.usage.progress(
             ctx.request_id,
+            tenant_id=ctx.tenant_id,
             completion_tokens=usage.completion_tokens,
             cached_prompt_tokens=usage.cached_tokens,
         )
@@ -107,8 +111,8 @@ class RequestMeter:
         except RuntimeError:  # finished after the meter stopped (shutdown): its journaled begin bills it
             logger.warning("request %s finished after the usage meter stopped", ctx.request_id)
 
-    def in_flight(self, request_id: str) -> InFlightRequest | None:
-        return self.usage.in_flight(request_id)
+    def in_flight(self, request_id: str, *, tenant_id: str) -> InFlightRequest | None:
+        return self.usage.in_flight(request_id, tenant_id=tenant_id)
 
     def flush(self) -> None:
         self.usage.flush()

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Metric
 
+from api.metrics.series import ENGINE
 from base_engine.outputs import ITERATION_TOKEN_BUCKETS
 
 NAME = "vllm:iteration_tokens_total"
@@ -36,7 +37,7 @@ class IterationTokens:
         bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
         # Built sample by sample: HistogramMetricFamily would drop the "_total" vLLM's name keeps.
         family = Metric(NAME, "Histogram of number of tokens per engine_step.", "histogram")
-        labels = {"model_name": self.model_name}
+        labels = {"model_name": self.model_name, "engine": ENGINE}
         for bound, count in zip(bounds, cumulative, strict=True):
             family.add_sample(f"{NAME}_bucket", {**labels, "le": bound}, float(count))
         family.add_sample(f"{NAME}_count", labels, float(cumulative[-1]))

@@ -35,6 +35,7 @@ from api.context import RequestContext
 from api.metrics.iteration_tokens import IterationTokens
 from api.metrics.residency import ResidencyMetrics
 from api.metrics.series import (
+    ENGINE,
     LoraserveSeries,
     ResidencySeries,
     VllmSeries,
@@ -102,7 +103,7 @@ class Metrics:
         with self._lock:
             label = self._tenant_label(tenant)
         v, own = self.vllm, self.own
-        v.request_success.labels(self.model_name, out.finish_reason or "unknown").inc()
+        v.request_success.labels(self.model_name, ENGINE, out.finish_reason or "unknown").inc()
         v.prompt_tokens.inc(out.num_prompt_tokens)
         v.generation_tokens.inc(out.num_completion_tokens)
         own.tenant_requests.labels(label).inc()
@@ -151,7 +152,7 @@ class Metrics:
         """`vllm:cache_config_info` (value 1; the KV cache's configuration in its labels)."""
         self.vllm.cache_config_info.clear()
         self.vllm.cache_config_info.labels(
-            str(block_size), cache_dtype, str(enable_prefix_caching), "0", str(num_gpu_blocks)
+            str(block_size), cache_dtype, str(enable_prefix_caching), "0", str(num_gpu_blocks), ENGINE
         ).set(1)
 
     def _tenant_label(self, tenant: str) -> str:

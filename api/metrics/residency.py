@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Histogram
 
-from api.metrics.series import ResidencySeries
+from api.metrics.series import ENGINE, ResidencySeries
 from base_engine.outputs import AdapterCacheStats
 
 
@@ -75,7 +75,7 @@ class ResidencyMetrics:
         s.loaded.clear()
         for r in resident_series(a, label):
             pinned = "true" if r.pinned else "false"
-            s.loaded.labels(self.model_name, r.adapter_name, r.level, pinned, str(r.rank)).set(1)
+            s.loaded.labels(self.model_name, ENGINE, r.adapter_name, r.level, pinned, str(r.rank)).set(1)
         s.num_gpu.set(a.num_gpu)
         s.num_cpu.set(a.num_cpu)
         s.max_gpu.set(a.num_slots)

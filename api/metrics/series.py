@@ -2,7 +2,9 @@
 
 Names, types and buckets follow vLLM's V1 engine (`vllm-project/vllm docs/design/metrics.md`,
 `vllm/v1/metrics/loggers.py`, summarized in ../shared/reference/platform.md section 2.1), so existing
-dashboards work: every vLLM metric carries a `model_name` label with the served base model's name.
+dashboards work: every vLLM metric carries a `model_name` label with the served base model's name and
+vLLM's `engine` label (the engine core's index; one engine per process here, so always "0", as a
+single-engine `vllm serve`), except `vllm:lora_requests_info`, which has neither in vLLM either.
 The `loraserve_*` series cover the adapter cache and, in a registry of their own, tenants.
 
 Separate from api/metrics/prometheus.py, which decides what to count when (requests finish, engine stats
@@ -27,6 +29,9 @@ REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
                         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 disable_created_metrics()
+
+ENGINE = "0"  # vLLM's `engine` label: the engine core's index (`per_engine_labelvalues` in its loggers)
+BASE_LABELS = ["model_name", "engine"]
 
 
 def one_two_five_buckets(max_value: int) -> list[float]:
@@ -57,20 +62,20 @@ class EngineTotal:
 
 
 class VllmSeries:
-    """vLLM's series, each already labelled with the served model's name (except the few with more
-    labels: `request_success`, `cache_config_info`, `lora_info`)."""
+    """vLLM's series, each already labelled with the served model's name and the engine (except the few
+    with more labels: `request_success`, `cache_config_info`, `lora_info`)."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
-        r, base = registry, ["model_name"]
+        r, base = registry, BASE_LABELS
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, base, registry=r).labels(model_name)
+            return Gauge(name, doc, base, registry=r).labels(model_name, ENGINE)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, base, registry=r).labels(model_name)
+            return Counter(name, doc, base, registry=r).labels(model_name, ENGINE)
 
         def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
-            return Histogram(name, doc, base, buckets=tuple(buckets), registry=r).labels(model_name)
+            return Histogram(name, doc, base, buckets=tuple(buckets), registry=r).labels(model_name, ENGINE)
 
         self.num_running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
@@ -140,7 +145,14 @@ class VllmSeries:
         self.cache_config_info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            ["block_size", "cache_dtype", "enable_prefix_caching", "num_cpu_blocks", "num_gpu_blocks"],
+            [
+                "block_size",
+                "cache_dtype",
+                "enable_prefix_caching",
+                "num_cpu_blocks",
+                "num_gpu_blocks",
+                "engine",
+            ],
             registry=r,
         )
         self.lora_info = Gauge(
@@ -223,7 +235,7 @@ class ResidencySeries:
     `lora-load-state-scorer` reads (llm-d-router#2792): which adapters this engine holds, where."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        r, base = registry, ["model_name"]
+        r, base = registry, BASE_LABELS
         self.loaded = Gauge(
             "vllm:lora_adapter_loaded",
             "1 per resident LoRA adapter: level gpu (in a device slot) or cpu (host cache only).",
@@ -232,13 +244,13 @@ class ResidencySeries:
         )
         self.num_gpu = Gauge(
             "vllm:num_gpu_loaded_lora_adapters", "LoRA adapters in GPU slots.", base, registry=r
-        ).labels(model_name)
+        ).labels(model_name, ENGINE)
         self.num_cpu = Gauge(
             "vllm:num_cpu_loaded_lora_adapters", "LoRA adapters in the host cache.", base, registry=r
-        ).labels(model_name)
+        ).labels(model_name, ENGINE)
         self.max_gpu = Gauge(
             "vllm:max_gpu_lora_adapters", "GPU LoRA adapter slots (max_loras).", base, registry=r
-        ).labels(model_name)
+        ).labels(model_name, ENGINE)
         load_seconds = Histogram(
             "vllm:lora_adapter_load_seconds",
             "LoRA adapter transition times: load (into the host cache), activate (host -> GPU slot).",
@@ -246,5 +258,5 @@ class ResidencySeries:
             buckets=LORA_LOAD_BUCKETS,
             registry=r,
         )
-        self.load_seconds = load_seconds.labels(model_name, "load")
-        self.activate_seconds = load_seconds.labels(model_name, "activate")
+        self.load_seconds = load_seconds.labels(model_name, ENGINE, "load")
+        self.activate_seconds = load_seconds.labels(model_name, ENGINE, "activate")

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Metric
 
+from api.metrics.series import ENGINE
 from base_engine.outputs import SpecDecodeCounts
 
 PREFIX = "vllm:spec_decode_num_"
@@ -59,4 +60,4 @@ class SpecDecodeMetrics:
         yield per_pos
 
     def _labels(self, lora: str) -> dict[str, str]:
-        return {"model_name": self.model_name, "lora_name": lora}
+        return {"model_name": self.model_name, "engine": ENGINE, "lora_name": lora}

@@ -41,7 +41,8 @@ import time
 from collections.abc import Callable
 
 from api.context import RequestContext, Usage
-from api.errors import APIError
+from api.errors import APIError, request_id_in_use
+from api.metering.meter import DuplicateRequestId
 from api.metering.request_meter import Meter
 from api.tenancy.quota_gate import NOT_ADMITTED, Quotas, Release, release_nothing
 
@@ -202,15 +203,21 @@ class Admission:
 def admit(
     *, quotas: Quotas, admission: Admission, meter: Meter, ctx: RequestContext, num_requests: int
 ) -> Ticket:
-    """The tenant's quotas (429), then the server's own bound (503); once admitted, metering begins.
-    A 503 after the quotas admitted gives the tenant's allowance back (`NOT_ADMITTED`)."""
+    """The tenant's quotas (429), then the server's own bound (503); once admitted, metering begins
+    (409 when the tenant has this request id in flight). A 503 or 409 after the quotas admitted gives
+    the tenant's allowance back (`NOT_ADMITTED`)."""
     release_quota = quotas.admit(ctx)
     try:
         ticket = admission.acquire(num_requests, ctx.tenant_id, ctx.priority)
     except BaseException:
         release_quota(NOT_ADMITTED)
         raise
+    try:
+        meter.begin(ctx)
+    except DuplicateRequestId:  # the tenant has this X-Request-Id in flight: nothing was admitted
+        ticket.release()
+        release_quota(NOT_ADMITTED)
+        raise request_id_in_use(ctx.client_id or ctx.request_id) from None
     ticket.release_quota = release_quota
     ctx.on_end.append(ticket.end)  # the request's end gives the quota back with what it billed
-    meter.begin(ctx)
     return ticket

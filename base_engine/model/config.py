@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from adapters.types import BaseModelShapes
+from adapters.types import BaseModelShapes, MoeShapes
+from base_engine.model.compressed_tensors import CheckpointInt8, checkpoint_quantization
 from base_engine.model.gemma_config import GEMMA_ACTIVATION, GEMMA_ARCHITECTURES, GemmaText, gemma_text
 from base_engine.model.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_config, moe_sliding_window
 from base_engine.model.phi3 import phi3_rope_fields
@@ -148,6 +149,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     has_vision_tower: bool = False  # a multimodal checkpoint whose text model alone is served
     moe: MoeConfig | None = None  # routed experts (moe_config.py); None: a dense MLP on every layer
+    # A compressed-tensors int8 checkpoint (compressed_tensors.py); None: float weights.
+    int8_checkpoint: CheckpointInt8 | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: full attention)."""
@@ -194,6 +197,14 @@ class ModelConfig:
                 )
                 if flag
                 for m in modules
+            ),
+            moe=None
+            if self.moe is None
+            else MoeShapes(
+                num_experts=self.moe.num_experts,
+                expert_intermediate_size=self.moe.expert_intermediate_size,
+                sparse_layers=self.moe.sparse_layers,
+                shared_expert_intermediate_size=self.moe.shared_expert_intermediate_size,
             ),
         )
 
@@ -300,17 +311,6 @@ def _architecture(raw: dict[str, Any], path: Path) -> tuple[str, str]:
         raise ValueError(f"{path}: model_type={raw['model_type']!r} does not match {arch} ({model_type!r})")
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{path}: hidden_act={raw['hidden_act']!r} unsupported; expected 'silu'")
-    if raw.get("quantization_config") is not None:
-        method = (
-            raw["quantization_config"].get("quant_method", "?")
-            if isinstance(raw["quantization_config"], dict)
-            else "?"
-        )
-        raise ValueError(
-            f"{path}: quantization_config present (quant_method {method!r}); GPTQ, AWQ, bitsandbytes and "
-            "other pre-quantized checkpoints are not served: serve the float32/bfloat16 checkpoint, with "
-            "--quantization int8 for per-channel int8 weights computed at load"
-        )
     return arch, model_type
 
 
@@ -339,6 +339,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     if gemma is not None:
         raw = gemma.raw
     arch, model_type = _architecture(raw, path)
+    int8_checkpoint = checkpoint_quantization(raw, path)
     hidden_size, num_heads, num_layers, vocab_size, intermediate_size = (
         _required_int(raw, key, path)
         for key in (
@@ -396,6 +397,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         dtype=_dtype(raw, path),
         qk_norm=model_type in ("qwen3", "qwen3_moe") or (gemma is not None and model_type != "gemma2"),
         moe=moe,
+        int8_checkpoint=int8_checkpoint,
         **({} if gemma is None else _gemma_fields(gemma, path, max_positions)),
     )
 

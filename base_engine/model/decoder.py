@@ -8,7 +8,7 @@ packed into one projection each (one matmul instead of three/two); `PACKED` maps
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,11 @@ class LoraBatch(Protocol):
 
     def apply_norm(self, norm: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         """Rows whose adapter has its own copy of `norm` (modules_to_save): y[rows] = copy(x[rows])."""
+        ...
+
+    def experts(self, layer: int, routing: Any) -> Any:
+        """This layer's expert LoRA for the step's routed pairs (`lora_experts.ExpertStep`: `.apply(module,
+        y, x)` adds each pair's delta), or None when no row has one there."""
         ...
 
 

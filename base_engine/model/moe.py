@@ -14,6 +14,8 @@ gated outputs in a fixed order. In a deterministic step every GEMM is the batch-
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,10 +65,17 @@ class SharedExpert(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any, layer: int, invariant: bool) -> torch.Tensor:
         linear = invariant_linear if invariant else F.linear
-        gate, up = linear(x, self.gate_up_proj.weight, None).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight, None)
+        gate_up = linear(x, self.gate_up_proj.weight, None)
+        if lora is not None:
+            lora.apply(layer, "gate_up_proj", gate_up, x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        hidden = F.silu(gate) * up
+        out = linear(hidden, self.down_proj.weight, None)
+        if lora is not None:
+            lora.apply(layer, "down_proj", out, hidden)
+        return out
 
 
 class SparseMoeBlock(nn.Module):
@@ -80,16 +89,27 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = None if shared is None else SharedExpert(hidden_size, shared)
         self.shared_expert_gate = None if shared is None else nn.Linear(hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, lora: object | None, invariant: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any, invariant: bool = False) -> torch.Tensor:
         linear = invariant_linear if invariant else F.linear
-        routing = route(linear(x, self.gate.weight, None), self.moe.top_k, self.moe.renormalize)
+        router_logits = linear(x, self.gate.weight, None)
+        if lora is not None:  # LoRA on the router: each row routes by its own adapter's logits
+            lora.apply(self.layer, "router", router_logits, x)
+        routing = route(router_logits, self.moe.top_k, self.moe.renormalize)
+        expert_lora = None if lora is None else lora.experts(self.layer, routing)
         rows = x[routing.token_ids]  # [T * k, H], sorted by expert
         gate_up = _grouped(rows, self.experts.gate_up_proj, routing.expert_offsets, invariant)
+        if expert_lora is not None:
+            expert_lora.apply("experts.gate_up_proj", gate_up, rows)
         gate, up = gate_up.split(self.experts.intermediate_size, dim=-1)
-        out = _grouped(F.silu(gate) * up, self.experts.down_proj, routing.expert_offsets, invariant)
+        hidden = F.silu(gate) * up
+        out = _grouped(hidden, self.experts.down_proj, routing.expert_offsets, invariant)
+        if expert_lora is not None:
+            expert_lora.apply("experts.down_proj", out, hidden)
         y = combine(out, routing, torch.float32 if self.moe.fp32_gates else x.dtype)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             logit = linear(x, self.shared_expert_gate.weight, None)  # [T, 1]
+            if lora is not None:
+                lora.apply(self.layer, "shared_expert_gate", logit, x)
             scale = _rowwise_sigmoid(logit) if invariant else torch.sigmoid(logit)
-            y = y + scale * self.shared_expert(x, invariant)
+            y = y + scale * self.shared_expert(x, lora, self.layer, invariant)
         return y

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 from base_engine.model.checkpoint import CheckpointReader, MissingTensorError
+from base_engine.model.compressed_tensors import read_int8
 from base_engine.model.config import ModelConfig
 from base_engine.model.decoder import PACKED, CausalLM
+from base_engine.model.int8 import Int8Linear
 from base_engine.model.moe_weights import moe_tensor
 
 # Tensors some checkpoints carry that the math does not use.
@@ -82,6 +84,8 @@ def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, devi
         model.lm_head.weight = model.model.embed_tokens.weight
     used: set[str] = set()
     params = dict(model.named_parameters(remove_duplicate=True))
+    int8_linears = _int8_linears(model, config, model_dir)
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, param in params.items():
         expert = moe_tensor(name, config, reader, rename, dtype)
         if expert is not None:
@@ -90,6 +94,12 @@ def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, devi
             continue
         own = [name] if config.model_type in FUSED_CHECKPOINTS else checkpoint_sources(name)
         sources = [rename(src) for src in own]
+        if name.removesuffix(".weight") in int8_linears:
+            q, scale, scale_names = read_int8(reader, sources)
+            _copy(param, (q.float() * scale[:, None]).to(dtype), sources, reader)  # checks the shape
+            quantized[name.removesuffix(".weight")] = (q, scale)
+            used.update(sources + scale_names)
+            continue
         tensors = []
         for src in sources:
             if src not in reader:
@@ -116,4 +126,28 @@ def load_model(model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, devi
             f"checkpoint {model_dir} has tensors this {config.architecture} does not use: {unexpected[:5]}"
             f"{' ...' if len(unexpected) > 5 else ''} (does config.json match the weights?)"
         )
+    dynamic = config.int8_checkpoint is not None and config.int8_checkpoint.is_dynamic_activations
+    for module_name, (q, scale) in quantized.items():
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, child)
+        setattr(parent, child, Int8Linear.from_int8(linear, q, scale, is_dynamic_activations=dynamic))
+    if quantized:
+        logger.info(
+            "%s: compressed-tensors int8 checkpoint, %d linear layers %s", model_dir, len(quantized),
+            "W8A8 (dynamic per-token activations)" if dynamic else "W8A16 (weight-only)",
+        )  # fmt: skip
     return model.eval()
+
+
+def _int8_linears(model: CausalLM, config: ModelConfig, model_dir: Path) -> set[str]:
+    """The linears a compressed-tensors int8 checkpoint stores as int8: every decoder one (none when
+    the checkpoint is not one)."""
+    if config.int8_checkpoint is None:
+        return set()
+    if config.moe is not None:
+        raise ValueError(
+            f"{model_dir}: a compressed-tensors int8 checkpoint of a mixture-of-experts model "
+            f"({config.architecture}) is not served; serve its float32/bfloat16 checkpoint"
+        )
+    return {f"model.{name}" for name, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}

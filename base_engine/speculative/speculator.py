@@ -16,6 +16,7 @@ from typing import Protocol
 
 from base_engine.outputs import SpecDecodeCounts
 from base_engine.sequence import Sequence
+from base_engine.speculative.adaptive import AdaptiveK
 from base_engine.speculative.ngram import NgramProposer
 
 
@@ -32,6 +33,8 @@ class SpecStats:
     num_accepted_tokens: Counter[str] = field(default_factory=Counter)
     # adapter -> [drafts whose token at position 0 was accepted, at position 1, ...]
     num_accepted_tokens_per_pos: dict[str, list[int]] = field(default_factory=dict)
+    # adapter version (AdapterRef.id, "" = base) -> [draft tokens, accepted tokens]
+    by_ref: dict[str, list[int]] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, SpecDecodeCounts]:
         """A frozen copy for `EngineStats` (read by other threads while the engine goes on counting)."""
@@ -44,6 +47,9 @@ class SpecStats:
             )
             for name in sorted(self.num_drafts)
         }
+
+    def acceptance_by_ref(self) -> dict[str, float]:
+        return {ref: accepted / drafted for ref, (drafted, accepted) in self.by_ref.items() if drafted}
 
     def acceptance(self, adapter: str) -> float | None:
         drafted = self.num_draft_tokens[adapter]
@@ -70,14 +76,30 @@ class Speculator:
         self.max_model_len = max_model_len
         self.proposer: Proposer = proposer or NgramProposer()  # draft:<dir>: the engine passes one
         self.stats = SpecStats()
+        self.off_batch: int | None = None  # no drafts in a step with this many decodes (None: never)
+        self.adaptive: dict[str, AdaptiveK] = {}  # per running request id
+        self.num_off_steps = 0  # steps switched off by off_batch
 
     def propose(self, running: Iterable[Sequence]) -> None:
         """Sets ``draft_token_ids`` of every running request (empty where it is not speculated)."""
+        running = list(running)
+        live = {seq.request_id for seq in running}
+        self.adaptive = {rid: state for rid, state in self.adaptive.items() if rid in live}
+        num_decodes = sum(1 for seq in running if seq.num_uncomputed_tokens == 1)
+        off = self.off_batch is not None and num_decodes >= self.off_batch
+        self.num_off_steps += off
         for seq in running:
-            k = self._budget(seq)
+            budget = 0 if off else self._budget(seq)
+            k = 0 if budget == 0 else min(budget, self._state(seq).take())
             seq.draft_token_ids = (
                 self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, k) if k > 0 else []
             )
+
+    def _state(self, seq: Sequence) -> AdaptiveK:
+        state = self.adaptive.get(seq.request_id)
+        if state is None:
+            state = self.adaptive[seq.request_id] = AdaptiveK(self.k)
+        return state
 
     def _budget(self, seq: Sequence) -> int:
         params = seq.params
@@ -95,7 +117,11 @@ class Speculator:
         return max(0, min(self.k, room_output, room_context))
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        self._state(seq).update(num_drafts, num_accepted)
         name = "" if seq.adapter is None else seq.adapter.name
+        counts = self.stats.by_ref.setdefault("" if seq.adapter is None else seq.adapter.id, [0, 0])
+        counts[0] += num_drafts
+        counts[1] += num_accepted
         self.stats.num_drafts[name] += 1
         self.stats.num_draft_tokens[name] += num_drafts
         self.stats.num_accepted_tokens[name] += num_accepted

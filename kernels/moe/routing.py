@@ -21,6 +21,7 @@ class Routing:
     gates: Tensor  # [T * k] fp32: each sorted pair's routing weight
     expert_offsets: Tensor  # [E + 1] int64: the pairs of expert e are offsets[e]:offsets[e + 1]
     order: Tensor  # [T * k] int64: sorted position -> position in token-major pair order
+    experts: Tensor  # [T * k] int64: each sorted pair's expert (ascending)
     num_tokens: int
     top_k: int
 
@@ -42,6 +43,7 @@ def route(router_logits: Tensor, top_k: int, renormalize: bool) -> Routing:
         gates=weights.reshape(-1)[order],
         expert_offsets=offsets,
         order=order,
+        experts=flat_experts[order],
         num_tokens=num_tokens,
         top_k=top_k,
     )

@@ -14,6 +14,7 @@ and moves the adapters' bytes once. The shrink reads each picked A row whole (al
 values beyond a slot's rank land in columns of v the expand never picks, so garbage or NaN there
 never reaches y. Only rows of short segments (decodes, a few rows of one adapter) take this path;
 long segments (prefill runs) stay with the segment loop's GEMMs, which reuse the weights across rows.
+How short is decided per projection by cost_model.py from costs measured for the dtype.
 """
 
 from __future__ import annotations
@@ -27,16 +28,6 @@ from kernels.sgmv.checks import LoraLayout, SlotParams
 from kernels.sgmv.layout import BagTables
 from kernels.sgmv.meta import SgmvMeta
 
-# Bags vs the segment loop, measured at bench-small shapes (hidden 512, rank 16, 1 thread) per
-# projection: a bag row costs ~30-50 us (it re-reads its adapter's weights), a loop segment ~100 us
-# plus ~15 us per row (1 + S small GEMMs), and the bag schedule itself ~150 us once (index lists,
-# gathers, one call per slice). So bags pay for segments of 1-2 rows when there are several of them:
-# 32 one-row adapters 6.5 vs 13.3 ms per layer (bags vs loop), 16 two-row 5.4 vs 8.6 ms, while a Zipf
-# mix of 8 adapters over 64 rows is best all in the loop (3.9 ms; 4.8 with its 3-4 row segments in
-# bags). At Llama-8B widths (~1.2 MB of weights per row and projection) only one-row segments pay.
-BAG_SEGMENT_BYTES = 1 << 20
-BAG_MAX_SEGMENT_ROWS = 2
-BAG_MIN_SEGMENTS = 4
 SUM = 0  # embedding_bag mode
 # Wide expands (a slice of >= EXPAND_CHUNKED_MIN columns) run as bags over 512-column pieces of B's
 # rows: FBGEMM then accumulates a 2 KB tile per bag instead of a whole 16-56 KB output row. Llama-8B
@@ -57,16 +48,8 @@ class BagPlan(NamedTuple):
     bags: dict  # bag indices and offsets per table width / ranks, built on first use, reused by all layers
 
 
-def max_segment_rows(layout: LoraLayout, element_size: int) -> int:
-    """Longest segment that takes bags for this projection's weight sizes (at least 1: decodes)."""
-    row_bytes = (
-        element_size * layout.max_rank * (layout.hidden_in * layout.num_slices + sum(layout.out_sizes))
-    )
-    return max(1, min(BAG_MAX_SEGMENT_ROWS, BAG_SEGMENT_BYTES // max(row_bytes, 1)))
-
-
 def plan(meta: SgmvMeta, max_rows: int) -> BagPlan | None:
-    """Rows of the segments of <= max_rows rows; None when fewer than BAG_MIN_SEGMENTS are that short."""
+    """Rows of the segments of <= max_rows rows (cost_model.bag_max_rows); None when there are none."""
     key = ("bag_plan", max_rows)
     if key in meta.scratch:
         return meta.scratch[key]
@@ -74,7 +57,7 @@ def plan(meta: SgmvMeta, max_rows: int) -> BagPlan | None:
     for g, length in enumerate(meta.seg_lens_host):
         if length > 0:  # 0: padding of fixed-capacity metadata (static_meta.py)
             (short if length <= max_rows else long).append(g)
-    result = _make_plan(meta, short, long) if len(short) >= BAG_MIN_SEGMENTS else None
+    result = _make_plan(meta, short, long) if short else None
     meta.scratch[key] = result
     return result
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kernels.sgmv import torch_bag, torch_fused, torch_loop
+from kernels.sgmv import cost_model, torch_bag, torch_fused, torch_loop
 from kernels.sgmv.checks import LoraLayout, SlotParams
 from kernels.sgmv.layout import BagTables, bag_tables
 from kernels.sgmv.meta import SgmvMeta
@@ -40,6 +40,18 @@ def use_gather(meta: SgmvMeta, layout: LoraLayout, params: SlotParams) -> bool:
         and meta.num_active_rows <= GATHER_MAX_ROWS_PER_SEGMENT * meta.num_segments
         and row_bytes <= GATHER_MAX_ROW_BYTES
     )
+
+
+def _bag_plan(meta: SgmvMeta, layout: LoraLayout, x: Tensor) -> torch_bag.BagPlan | None:
+    """The rows this projection hands to bags, by the cost model (cached on the meta: the layers of a
+    step share their projections' shapes)."""
+    w_bytes = cost_model.weight_bytes(layout, x.element_size())
+    key = ("bag_max_rows", w_bytes, x.dtype)
+    if key not in meta.scratch:
+        costs = cost_model.costs_for(x.dtype, x.device)
+        meta.scratch[key] = cost_model.bag_max_rows(meta.seg_lens_host, w_bytes, costs)
+    max_rows = meta.scratch[key]
+    return torch_bag.plan(meta, max_rows) if max_rows else None
 
 
 def _rank_keep(params: SlotParams, s: int, meta: SgmvMeta, max_rank: int) -> Tensor | None:
@@ -101,7 +113,7 @@ def add_lora_torch(
     host = params.ranks_host is not None and params.scales_host is not None
     tables = bag_tables(lora_a, lora_b) if host and x.dtype in CPU_LAYOUT_DTYPES else None
     if tables is not None:
-        bag_plan = torch_bag.plan(meta, torch_bag.max_segment_rows(layout, x.element_size()))
+        bag_plan = _bag_plan(meta, layout, x)
         views = torch_fused.slot_views(lora_a, lora_b, tables, layout)
         if bag_plan is None:
             torch_fused.add_lora_segments(y, x, views, meta, params, layout)

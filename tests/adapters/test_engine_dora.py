@@ -11,7 +11,7 @@ import pytest
 
 from base_engine import LLM, SamplingParams
 from base_engine.model.config import load_model_config
-from kernels.sgmv import torch_bag
+from kernels.sgmv import cost_model
 from tests.adapters.engine_helpers import ALL_SEVEN, make_adapter, peft_model
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
@@ -54,12 +54,13 @@ def references(tiny_llama_dir: Path, adapters: dict[str, Path]) -> dict:
 
 def _pin_schedule(monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
     """ "bag": every segment in bags (prefill runs too); "loop": no bags, the fused segment loop only."""
-    if schedule == "bag":
-        monkeypatch.setattr(torch_bag, "BAG_MIN_SEGMENTS", 1)
-        monkeypatch.setattr(torch_bag, "BAG_MAX_SEGMENT_ROWS", 1 << 20)
-        monkeypatch.setattr(torch_bag, "BAG_SEGMENT_BYTES", 1 << 40)
-    else:
-        monkeypatch.setattr(torch_bag, "BAG_MIN_SEGMENTS", 1 << 20)
+    # bag: bags cost nothing, a loop segment 1 s; loop: the bag schedule costs 1 s to start
+    costs = (
+        cost_model.ScheduleCosts(0.0, 0.0, 1.0, 0.0, 0.0)
+        if schedule == "bag"
+        else cost_model.ScheduleCosts(1.0, 0.0, 0.0, 0.0, 0.0)
+    )
+    monkeypatch.setattr(cost_model, "costs_for", lambda dtype, device: costs)
 
 
 def _compare(outs, references, indices, label: str) -> int:

@@ -21,9 +21,10 @@ from adapters.types import AdapterFormatError
 from adapters.validation import validate_adapter
 from base_engine import LLM, SamplingParams
 from base_engine.constraints import GrammarCompiler
-from base_engine.lora import ModelWeights, local_fetch
+from base_engine.lora import local_fetch
 from base_engine.model.config import load_model_config
 from base_engine.model.decoder import LOGITS_CHUNK
+from base_engine.model_weights import ModelWeights
 from tests.adapters.engine_helpers import make_adapter, peft_model, peft_references
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts

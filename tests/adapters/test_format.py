@@ -158,6 +158,17 @@ def test_metadata_and_inference_neutral_fields_accepted(tmp_path: Path) -> None:
     assert_matches_peft(adapter_dir)
 
 
+def test_target_parameters_on_projection_weights_are_lora_on_them(tmp_path: Path) -> None:
+    """PEFT's ParamWrapper on a 2-D weight computes F.linear(x, W + s B A): the same delta as LoRA on
+    the module, with its rank and alpha patterns looked up by the parameter key."""
+    adapter_dir = save_peft_adapter(
+        tmp_path / "a", r=4, lora_alpha=8, target_modules=["k_proj"],
+        target_parameters=["self_attn.q_proj.weight", "mlp.down_proj.weight"],
+        rank_pattern={"down_proj.weight": 2}, alpha_pattern={"q_proj.weight": 3},
+    )  # fmt: skip
+    assert_matches_peft(adapter_dir)
+
+
 def test_velora_is_training_only(tmp_path: Path) -> None:
     from peft.tuners.lora.config import VeloraConfig
 
@@ -190,10 +201,6 @@ PEFT_BUILT_REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
     "layer_replication": (
         {"target_modules": ["q_proj"], "layer_replication": [[0, 2], [1, 2]]},
         "layer_replication",
-    ),
-    "target_parameters": (
-        {"target_modules": [], "target_parameters": ["self_attn.q_proj.weight"]},
-        "target_param",
     ),
     "alora": ({"target_modules": ["q_proj"], "alora_invocation_tokens": [1, 2]}, "alora_invocation_tokens"),
     "unknown_module_name": ({"target_modules": ["q_proj", "foo_proj"]}, "'foo_proj' names no module"),

@@ -15,7 +15,8 @@ import torch
 from adapters import AdapterFormatError, load_adapter
 from adapters.types import FUSED_PROJECTIONS
 from base_engine import LLM, SamplingParams
-from kernels.sgmv import torch_bag, torch_fused
+from kernels.sgmv import cost_model, torch_bag, torch_fused
+from kernels.sgmv.cost_model import ScheduleCosts
 from tests.adapters.engine_helpers import make_adapter, peft_model
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import preload_adapters, random_prompts
@@ -141,6 +142,10 @@ def test_mixed_batch_matches_peft(
     calls = {"add_lora_bag": 0, "add_lora_segments": 0}
     for module, name in ((torch_bag, "add_lora_bag"), (torch_fused, "add_lora_segments")):
         monkeypatch.setattr(module, name, _counted(getattr(module, name), calls, name))
+    # Segments of <= 2 rows to bags, longer ones to the loop, whatever the widths (cost_model.py: a
+    # segment saves W us out of the loop, a bag row costs 0.4 W us)
+    split = ScheduleCosts(0.0, 0.4e-6, 0.0, 1e-6, 0.0)
+    monkeypatch.setattr(cost_model, "costs_for", lambda dtype, device: split)
     # Five adapters decoding one or two rows each: enough short segments for the bag schedule.
     names = [None, "fused", "patterns", "attn-only", "mlp", "o-down-layer0", "fused", None, "mlp"]
     prompts = random_prompts(len(names), 500, 3, 30, seed=41)

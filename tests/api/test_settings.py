@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from api.settings import Settings
+from base_engine.engine_config import EngineConfig
 
 _CLI = """
 import os, sys
@@ -52,3 +55,12 @@ def test_quantization_reaches_the_engine_config_and_others_are_refused_by_name()
     assert Settings().engine_config().quantization is None
     with pytest.raises(ValueError, match=r"quantization 'gptq' checkpoints are not served; expected one of"):
         Settings(quantization="gptq").engine_config()
+
+
+def test_speculative_off_batch_reaches_the_engine_config_and_negatives_are_refused() -> None:
+    assert Settings().engine_config().speculative_off_batch is None  # measured at start
+    assert Settings(speculative_off_batch=0).engine_config().speculative_off_batch == 0
+    with pytest.raises(ValueError, match="speculative_off_batch"):
+        Settings(speculative_off_batch=-1)
+    with pytest.raises(ValueError, match="speculative_off_batch"):
+        EngineConfig(speculative_off_batch=-1)

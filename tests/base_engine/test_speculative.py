@@ -37,7 +37,9 @@ def test_ngram_speculation_changes_no_token(tiny_llama_dir, num_kv_blocks) -> No
     opts = {"num_kv_blocks": num_kv_blocks, "block_size": 4} if num_kv_blocks else {}
     with LLM(tiny_llama_dir, **opts) as llm:
         alone = [llm.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
-    with LLM(tiny_llama_dir, speculative="ngram", num_speculative_tokens=3, **opts) as llm:
+    with LLM(
+        tiny_llama_dir, speculative="ngram", num_speculative_tokens=3, speculative_off_batch=0, **opts
+    ) as llm:
         batch = llm.generate(prompts, params)
         stats = llm.engine.speculator.stats
     for a, b in zip(alone, batch, strict=True):

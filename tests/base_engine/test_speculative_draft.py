@@ -39,7 +39,11 @@ def _generate(target: Path, speculative: str | None, *, greedy: bool = False) ->
     ]
     if greedy:
         params[1] = params[2]
-    opts = {} if speculative is None else {"speculative": speculative, "num_speculative_tokens": 3}
+    opts = (
+        {}
+        if speculative is None
+        else {"speculative": speculative, "num_speculative_tokens": 3, "speculative_off_batch": 0}
+    )
     with LLM(target, block_size=4, num_kv_blocks=40, **opts) as llm:
         outs = llm.generate(prompts, params)
         spec = llm.engine.speculator

@@ -78,6 +78,7 @@ def _scenario() -> st.SearchStrategy[dict]:
             "max_num_seqs": st.integers(1, 4),
             "prefix_caching": st.booleans(),
             "num_aborts": st.integers(0, 2),
+            "off_batch": st.sampled_from([0, 2, 3]),  # 0: never switched off (not measured: deterministic)
         }
     )
 
@@ -179,6 +180,7 @@ def mixed_engine(model_dir: Path, sc: dict, requests, speculative: str) -> LLMEn
         max_lora_rank=8,
         speculative=speculative,
         num_speculative_tokens=sc["k"],
+        speculative_off_batch=sc["off_batch"],
     )
     return llm.engine
 

@@ -108,13 +108,15 @@ def peft_deltas(adapter_dir: Path, model_type: str = "llama") -> dict[tuple[int,
     """PEFT's delta_W = scale * B @ A per (layer, projection) in float64, via PeftModel.from_pretrained."""
     from peft import PeftModel
     from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora.layer import ParamWrapper
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = PeftModel.from_pretrained(tiny_model(model_type), str(adapter_dir)).double()
     deltas: dict[tuple[int, str], torch.Tensor] = {}
     for name, module in model.named_modules():
-        if isinstance(module, LoraLinear) and "default" in module.lora_A:
+        # a ParamWrapper on a 2-D weight (target_parameters) is LoRA on its module
+        if isinstance(module, (LoraLinear, ParamWrapper)) and "default" in module.lora_A:
             found = re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$", name)
             assert found is not None, name
             deltas[(int(found.group(1)), found.group(2))] = module.get_delta_weight("default").detach()

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from kernels.sgmv import build_meta, sgmv_expand, sgmv_shrink, torch_bag, torch_fused
+from kernels.sgmv import build_meta, cost_model, sgmv_expand, sgmv_shrink, torch_bag, torch_fused
 from kernels.sgmv.layout import alloc_stacks, bag_tables
 from tests.kernels.reference import (
     POPULARITIES,
@@ -104,8 +104,12 @@ def test_distinct_rows_take_the_bag_schedule(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_long_and_short_segments_split_between_bag_and_fused_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill run of 20 rows of one adapter (GEMM) beside four decodes and a pair (bags), shuffled."""
+    """A prefill run of 20 rows of one adapter (GEMM) beside four decodes and a pair (bags), shuffled;
+    costs where a bag row costs 20 us and a loop segment 100 us: bags for segments of < 5 rows."""
     spy = Spy(monkeypatch)
+    w_bytes = 4 * 8 * (48 * 2 + 48)  # fp32, rank 8, two slices of A [48], B outputs 32 + 16
+    costs = cost_model.ScheduleCosts(0.0, 20e-6 / w_bytes, 100e-6, 0.0, 0.0)
+    monkeypatch.setattr(cost_model, "costs_for", lambda dtype, device: costs)
     case = make_case(num_tokens=26, hidden_in=48, out_sizes=(32, 16), num_slots=7, max_rank=8,
                      popularity="distinct", dtype=torch.float32, seed=4, mixed_ranks=False)  # fmt: skip
     slots = [2] * 20 + [0, 5, 3, 6, 1, 1]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sgmv import build_meta, torch_bag, torch_fused, torch_ops
+from kernels.sgmv import build_meta, cost_model, torch_bag, torch_fused, torch_ops
+from kernels.sgmv.cost_model import ScheduleCosts
 from tests.kernels.reference import (
     assert_matches,
     bits,
@@ -25,8 +26,7 @@ SCHEDULES = ("loop", "gather", "bag", "fused")
 
 
 def _case(schedule: str, popularity: str, seed: int, dtype: torch.dtype = torch.float32):
-    # bags take segments of <= 2 rows when there are >= 4 of them (6 rows over 6 slots); the fused
-    # loop takes the rest of the CPU layout
+    # the CPU layout's schedule is pinned by _pin's costs (bags: 6 one-row segments; fused: the rest)
     case = make_case(
         num_tokens=6 if schedule == "bag" else 24, hidden_in=40, out_sizes=(24, 8, 8), num_slots=6,
         max_rank=8, popularity="distinct" if schedule == "bag" else popularity, dtype=dtype, seed=seed,
@@ -39,6 +39,10 @@ def _pin(monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
     monkeypatch.setattr(torch_ops, "use_gather", lambda *args: schedule == "gather")
     if schedule not in ("bag", "fused"):
         return
+    # bag: bags free, a loop segment 1 s; fused: the bag schedule costs 1 s to start (cost_model.py)
+    bag_fixed, seg_fixed = (0.0, 1.0) if schedule == "bag" else (1.0, 0.0)
+    costs = ScheduleCosts(bag_fixed, 0.0, seg_fixed, 0.0, 0.0)
+    monkeypatch.setattr(cost_model, "costs_for", lambda dtype, device: costs)
     module = torch_bag if schedule == "bag" else torch_fused
     name = "add_lora_bag" if schedule == "bag" else "add_lora_segments"
     original = getattr(module, name)

@@ -116,7 +116,8 @@ def test_cloudevent_uses_request_id() -> None:
     record = random_records(1)[0]
     event = to_cloudevent(record, source="//loraserve/test")
     assert event["specversion"] == "1.0" and event["id"] == record.request_id
-    assert event["subject"] == record.tenant_id and event["source"] == "//loraserve/test"
+    assert event["subject"] == record.tenant_id
+    assert event["source"] == f"//loraserve/test/tenants/{record.tenant_id}"
     assert datetime.fromisoformat(event["time"]) == record.finished_at
     assert event["data"]["completion_tokens"] == record.completion_tokens
 

@@ -129,6 +129,7 @@ class AdapterRow:
     residency: str  # "gpu" | "cpu" | "disk" | "store"
     is_pinned: bool
     usage: UsageGroup  # all time
+    spec_acceptance: float | None = None  # speculative drafts accepted / scored; None: none scored
 
     @property
     def ref_id(self) -> str:
@@ -142,11 +143,15 @@ def adapter_rows(
     tenants: dict[str, TenantInfo] = {t.id: t for t in list_tenants(session, include_deleted=True)}
     versions = list_adapters(session, tenant_id=tenant_id)
     pinned = set(_pinned(engine))
+    acceptance = engine.stats().spec_acceptance
     usage: dict[str, dict[str, UsageGroup]] = {}
     for owner in dict.fromkeys(v.tenant_id for v in versions):
         groups = usage_summary(session, tenant_id=owner, group_by="adapter")
         usage[owner] = {g.key: g for g in groups}
-    return [_adapter_row(residency, v, tenants, pinned, usage[v.tenant_id]) for v in versions]
+    return [
+        _adapter_row(residency, v, tenants, pinned, usage[v.tenant_id], acceptance.get(v.ref_id))
+        for v in versions
+    ]
 
 
 def _adapter_row(
@@ -155,6 +160,7 @@ def _adapter_row(
     tenants: dict[str, TenantInfo],
     pinned: set[str],
     usage: dict[str, UsageGroup],
+    spec_acceptance: float | None,
 ) -> AdapterRow:
     owner = tenants.get(info.tenant_id)
     return AdapterRow(
@@ -170,6 +176,7 @@ def _adapter_row(
         residency=residency.of(info),
         is_pinned=info.ref_id in pinned,
         usage=usage.get(f"{info.name}@{info.version}", NO_USAGE),
+        spec_acceptance=spec_acceptance,
     )
 
 

@@ -7,8 +7,9 @@ does not on this model: see JSON_OBJECT_RUNS_LONG.
 instructor is not in the dev extras: instructor 1.17.0 (the only release on the index) pins
 `jiter<0.15` and `rich<15`, while openai 3.57 needs `jiter>=0.16` (and we have rich 15), so
 installing it would downgrade openai to 3.3.0. It imports and runs with openai 3.57 / jiter 0.19 when
-installed beside them without its pins (`pip install --no-deps instructor==1.17.0
-docstring_parser==0.18.0`); this module is skipped where it is not installed.
+installed beside them without its pins: `make setup` does so (`pip install --no-deps
+instructor==1.17.0 docstring_parser==0.18.0`, the Makefile's INSTRUCTOR), so `make test` runs this
+module; elsewhere it is skipped where instructor is not installed.
 """
 
 from __future__ import annotations

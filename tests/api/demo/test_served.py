@@ -1,14 +1,17 @@
 """`loraserve serve` with no --model: SmolLM2-135M-Instruct and the demo tenant's trained adapters.
 
 One server for the module (its models dir is the session's shared conversion). Greedy answers
-through the HTTP API equal `transformers` (+ `peft` for the adapters) token for token, and each
-adapter's trait holds on >= 8 of the 10 held-out prompts (api/demo/traits.py).
+through the HTTP API equal `transformers` (+ `peft` for the adapters) token for token, each
+adapter's trait holds on >= 8 of the 10 held-out prompts (api/demo/traits.py), and the README's
+example questions, asked of each demo adapter as the README does, repeat no 3-gram more than twice
+(the adapters' own sampling defaults, api/demo/adapters/generation-defaults.json).
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +21,7 @@ import pytest
 import torch
 
 from api.checkpoints.sources import SMOLLM2
-from api.demo.tenant import DEMO_ADAPTERS_DIR
+from api.demo.tenant import DEMO_ADAPTERS_DIR, demo_generation_defaults
 from api.demo.traits import HELD_OUT_PROMPTS, TRAITS
 from tests.harness.servers import ServerProcess
 
@@ -112,7 +115,8 @@ def test_greedy_output_equals_transformers_and_peft(served: ServerProcess, smoll
     expected = _reference(smollm2_dir)
     for name, answers in expected.items():
         for prompt, want in zip(ORACLE_PROMPTS, answers, strict=True):
-            got = _chat(served, name or BASE, prompt, ORACLE_TOKENS, temperature=0)
+            # frequency_penalty sent (0): it overrides the adapter's own default (test below)
+            got = _chat(served, name or BASE, prompt, ORACLE_TOKENS, temperature=0, frequency_penalty=0)
             assert got == want, f"{name or BASE} on {prompt!r}: served {got!r}, transformers {want!r}"
     assert len({a[0] for a in expected.values()}) == len(expected)  # each adapter changes the answer
 
@@ -127,3 +131,32 @@ def test_each_adapter_shows_its_trait_on_held_out_prompts(served: ServerProcess)
         assert held >= 8, f"{name} ({trait.description}) holds on {held}/10: {answers}"
     base = [_chat(served, BASE, p, 48, temperature=0) for p in HELD_OUT_PROMPTS[:3]]
     assert not any(trait.check(t) for t in base for trait in TRAITS.values()), base
+
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def readme_questions() -> list[str]:
+    """The questions of the README's demo loop (`for question in "..." "..."; do`)."""
+    loop = re.search(r'^for question in ((?:"[^"]+" ?)+); do$', README.read_text(), re.MULTILINE)
+    assert loop is not None, "README.md has no demo loop `for question in ...; do`"
+    return re.findall(r'"([^"]+)"', loop.group(1))
+
+
+def max_trigram_count(text: str) -> int:
+    words = text.split()
+    counts = Counter(tuple(words[i : i + 3]) for i in range(len(words) - 2))
+    return max(counts.values(), default=0)
+
+
+def test_readme_answers_do_not_loop(served: ServerProcess) -> None:
+    questions = readme_questions()
+    assert len(questions) >= 2 and "What is the capital of France?" in questions
+    assert demo_generation_defaults()["shout"]  # what keeps it from looping
+    for name in TRAITS:
+        for question in questions:
+            answer = _chat(served, name, question, 64, temperature=0)  # as the README's curl sends it
+            assert max_trigram_count(answer) <= 2, f"{name} on {question!r} loops: {answer!r}"
+    # the default is only a default: a request that sends the field gets what it sent
+    looping = _chat(served, "shout", "What is the capital of France?", 48, temperature=0, frequency_penalty=0)
+    assert max_trigram_count(looping) > 2, looping

@@ -201,7 +201,7 @@ def test_tenant_delete_and_suspend_reach_every_replica(fleet: Fleet, tmp_path: P
 def test_metrics_carry_the_replica_label(fleet: Fleet) -> None:
     r1 = fleet.replicas["r1"]
     text = httpx.get(f"{r1.base_url}/metrics", timeout=30).text
-    assert 'vllm:num_requests_running{model_name="tiny-llama",replica="r1"}' in text
+    assert 'vllm:num_requests_running{engine="0",model_name="tiny-llama",replica="r1"}' in text
     series = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert series and all('replica="r1"' in line for line in series)
     assert httpx.get(f"{r1.base_url}/admin/api/fleet/metrics", timeout=30).status_code == 401

@@ -86,7 +86,12 @@ def test_cancel_landing_as_an_output_is_handed_over_aborts_the_request(
     finally:
         ticket.release(plan.ctx.usage)
     meter = request_meter(state)  # the engine thread ends the request
-    wait_for(lambda: meter.in_flight(plan.ctx.request_id) is None, 30, interval=0.01, what="the request ends")
+    wait_for(
+        lambda: meter.in_flight(plan.ctx.request_id, tenant_id=plan.ctx.tenant_id) is None,
+        30,
+        interval=0.01,
+        what="the request ends",
+    )
     meter.flush()
     with state.sessions() as session:
         usage = export_usage(session, tenant_id=caller.tenant.id, limit=10_000).records

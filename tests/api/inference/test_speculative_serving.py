@@ -38,6 +38,7 @@ def plain(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 @pytest.fixture(scope="module")
 def speculative(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args = [*main_server_args(model_dir), "--speculative", "ngram", "--num-speculative-tokens", "3"]
+    args += ["--speculative-off-batch", "0"]  # a tiny model's measured threshold is 1: speculation off
     with launch_server(args, tmp_path_factory.mktemp("spec") / "data") as server:
         yield server
 

@@ -89,14 +89,14 @@ _CRASHING_CHILD = textwrap.dedent(
     meter.start()
     for i in range(4):
         begin(meter, record(i))
-    meter.progress("req-0", completion_tokens=10, cached_prompt_tokens=4)
-    meter.progress("req-1", completion_tokens=7)
+    meter.progress("req-0", tenant_id="tb", completion_tokens=10, cached_prompt_tokens=4)
+    meter.progress("req-1", tenant_id="ta", completion_tokens=7)
     time.sleep(0.3)  # journaled by the meter's thread
     meter.finish(record(3))
     meter.flush()  # writes req-3 and compacts: the successor journal carries the progress so far
-    meter.progress("req-0", completion_tokens=40, cached_prompt_tokens=4)
+    meter.progress("req-0", tenant_id="tb", completion_tokens=40, cached_prompt_tokens=4)
     time.sleep(0.3)
-    meter.progress("req-0", completion_tokens=45)  # noted, never journaled: the crash comes first
+    meter.progress("req-0", tenant_id="tb", completion_tokens=45)  # noted, never journaled: crash first
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session
 
-from api.metering.meter import UsageMeter
+from api.metering.meter import DuplicateRequestId, UsageMeter
 from registry.db import make_engine, session_factory
-from registry.usage import UsageRecord
+from registry.usage import UsageRecord, export_usage, is_request_id_used
 from tests.harness.usage import REPO_ROOT, begin, record, stored
 from tests.harness.wait import wait_for
 
@@ -200,8 +200,43 @@ def test_misuse_is_refused(sqlite_session: Callable[[], Session], tmp_path: Path
     with pytest.raises(RuntimeError, match="before start"):
         meter.recover()
     begin(meter, record(1))
-    with pytest.raises(ValueError, match="req-1"):
+    with pytest.raises(DuplicateRequestId, match="req-1"):
         begin(meter, record(1))
+    begin(meter, record(1, tenant_id="another"))  # request ids are unique within a tenant only
     meter.stop()
     with pytest.raises(ValueError, match="batch_size"):
         UsageMeter(sqlite_session, journal_path=tmp_path / "j", batch_size=0)
+
+
+def test_one_request_id_in_two_tenants_is_billed_once_in_each(
+    make_session: Callable[[], Session], tmp_path: Path
+) -> None:
+    """A client's X-Request-Id is unique within its tenant: the key is (tenant, request id), in memory,
+    in the journal's replay and in the table's unique constraint (migration 0009)."""
+    journal = tmp_path / "usage.journal"
+    meter = UsageMeter(make_session, journal_path=journal, flush_interval_s=3600)
+    meter.start()
+    mine, theirs = (
+        record(1, request_id="chatcmpl-job-7"),
+        record(1, request_id="chatcmpl-job-7", tenant_id="tz"),
+    )
+    begin(meter, mine)
+    begin(meter, theirs)
+    meter.progress(theirs.request_id, tenant_id="tz", completion_tokens=5)
+    assert meter.in_flight(mine.request_id, tenant_id=mine.tenant_id) is not None
+    assert meter.finish(mine)
+    assert not meter.finish(mine)  # a second report is still ignored
+    assert meter.flush() == 1
+    meter.write_progress()
+    # a crash now: the other tenant's request is in the journal only, and replays as its own abort
+    crashed = UsageMeter(make_session, journal_path=journal, flush_interval_s=3600)
+    assert crashed.recover() == 1
+    with make_session() as session:
+        rows = export_usage(session, limit=100).records
+        assert is_request_id_used(session, tenant_id="tz", request_id="chatcmpl-job-7")
+        assert not is_request_id_used(session, tenant_id="nobody", request_id="chatcmpl-job-7")
+    billed = {(r.tenant_id, r.request_id): r for r in rows}
+    assert len(rows) == 2 and set(billed) == {(mine.tenant_id, mine.request_id), ("tz", mine.request_id)}
+    assert billed[mine.tenant_id, mine.request_id].finish_reason == "stop"
+    assert billed["tz", mine.request_id].finish_reason == "abort"
+    assert billed["tz", mine.request_id].completion_tokens == 5

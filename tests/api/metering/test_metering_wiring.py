@@ -60,13 +60,13 @@ def test_admitted_request_whose_stream_never_started_is_billed_once(state: AppSt
     meter, quotas = request_meter(state), state.inference.quotas
     assert isinstance(quotas, TenantQuotaGate)
     ticket = admit_plan(state, plan)
-    assert meter.in_flight(ctx.request_id) is not None
+    assert meter.in_flight(ctx.request_id, tenant_id=ctx.tenant_id) is not None
     abandon_unstarted(
         inflight=state.inference.inflight, plan=plan
     )  # what the response does when it closes without being iterated
     abandon_unstarted(inflight=state.inference.inflight, plan=plan)
     ticket.release(ctx.usage)
-    assert meter.in_flight(ctx.request_id) is None
+    assert meter.in_flight(ctx.request_id, tenant_id=ctx.tenant_id) is None
     assert quotas.limiter.num_concurrent(caller.tenant.id) == 0 and state.admission.num_in_flight == 0
     record = records(state, caller.tenant.id)[ctx.request_id]
     assert (record.finish_reason, record.completion_tokens) == ("abort", 0)

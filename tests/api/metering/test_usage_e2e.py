@@ -8,6 +8,7 @@ and the database read with the registry's own functions after the server is gone
 
 from __future__ import annotations
 
+import itertools
 import random
 import signal
 import threading
@@ -142,8 +143,8 @@ def test_metrics_parse_and_move(server: Server) -> None:
     tenant = httpx.post(
         f"{server.base_url}/admin/api/tenants", json={"name": name}, headers=bearer(ADMIN_KEY)
     ).json()
-    running = ("vllm:num_requests_running", frozenset({("model_name", BASE)}))
-    generated = ("vllm:generation_tokens_total", frozenset({("model_name", BASE)}))
+    running = ("vllm:num_requests_running", frozenset({("model_name", BASE), ("engine", "0")}))
+    generated = ("vllm:generation_tokens_total", frozenset({("model_name", BASE), ("engine", "0")}))
     before = metric_values(server.base_url)
     url = f"{server.base_url}/v1/completions"
     body = {"model": BASE, "prompt": "Count", "stream": True, **LONG}
@@ -223,17 +224,21 @@ def test_crash_during_load_keeps_every_completed_record_once(tiny_llama_dir: Pat
         f"{process.base_url}/admin/api/tenants", json={"name": "load"}, headers=bearer(ADMIN_KEY)
     ).json()
     completed: dict[str, dict[str, Any]] = {}
+    sent: dict[str, int] = {}  # response id -> max_tokens, of every request sent (named by X-Request-Id)
     stop = threading.Event()
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        while not stop.is_set():
+        for n in itertools.count():
+            if stop.is_set():
+                return
             body = {"model": BASE, "prompt": "w" * rng.randint(1, 30), "max_tokens": rng.randint(1, 40)}
+            sent[f"cmpl-w{seed}-{n}"] = body["max_tokens"]
             try:
                 r = httpx.post(
                     f"{process.base_url}/v1/completions",
                     json=body,
-                    headers=bearer(tenant["api_key"]),
+                    headers={**bearer(tenant["api_key"]), "X-Request-Id": f"w{seed}-{n}"},
                     timeout=60,
                 )
             except httpx.HTTPError:
@@ -255,8 +260,15 @@ def test_crash_during_load_keeps_every_completed_record_once(tiny_llama_dir: Pat
     assert len(records) == len(export(process.base_url, tenant["id"]))  # each id once
     for rid, usage in completed.items():
         assert record_tokens(records[rid]) == tokens(usage)
-    for rid in set(records) - set(completed):  # in flight at the crash: billed as aborted
-        assert records[rid]["finish_reason"] == "abort" and records[rid]["completion_tokens"] == 0
+    assert set(records) <= set(sent)  # nothing billed that was not sent
+    for rid in set(records) - set(completed):  # no answer reached the client before the crash:
+        record = records[rid]
+        if record["finish_reason"] == "abort":  # in flight: a non-streaming request handed out nothing
+            assert record["completion_tokens"] == 0, record
+        else:  # finished and journaled, its response lost with the process: billed in full, once
+            assert record["finish_reason"] in ("length", "stop"), record
+            expected = sent[rid] if record["finish_reason"] == "length" else record["completion_tokens"]
+            assert 1 <= record["completion_tokens"] == expected <= sent[rid], record
     last = httpx.post(
         f"{process.base_url}/v1/completions", json={"model": BASE, "prompt": "end", "max_tokens": 2},
         headers=bearer(tenant["api_key"]), timeout=60,

@@ -62,6 +62,9 @@ def samples(
 
 
 def value(metrics: Metrics, name: str, **labels: str) -> float:
+    """The sample with exactly these labels; a vLLM series (`model_name`) also has vLLM's engine="0"."""
+    if "model_name" in labels:
+        labels = {"engine": "0", **labels}
     return samples(metrics).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
@@ -85,6 +88,26 @@ def test_names_and_buckets_follow_vllm() -> None:
         assert bounds == [float(b) for b in expected] + [float("inf")], name
         assert all(s.labels["model_name"] == "base-7b" for s in families[name].samples)
     assert one_two_five_buckets(120) == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_vllm_series_carry_the_engine_label() -> None:
+    """vLLM labels its series (model_name, engine) with engine = the engine core's index, "0" for one
+    engine (`per_engine_labelvalues` in vllm/v1/metrics/loggers.py; llm-d's residency extractor reads
+    it too); only `vllm:lora_requests_info` has neither label."""
+    metrics = Metrics(model_name="base-7b")
+    metrics.update_engine(stats())
+    metrics.set_cache_config(
+        block_size=16, cache_dtype="float32", enable_prefix_caching=True, num_gpu_blocks=8
+    )
+    vllm = [(name, dict(labels)) for (name, labels) in samples(metrics) if name.startswith("vllm:")]
+    assert len({name for name, _ in vllm}) > 20
+    for name, labels in vllm:
+        if name == "vllm:lora_requests_info":
+            assert "engine" not in labels and "model_name" not in labels
+            continue
+        assert labels.get("engine") == "0", (name, labels)
+        if name != "vllm:cache_config_info":
+            assert labels["model_name"] == "base-7b", (name, labels)
 
 
 def test_finished_requests_move_counters_and_histograms() -> None:

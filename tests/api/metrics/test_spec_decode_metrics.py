@@ -33,7 +33,7 @@ def test_engine_counts_drafts_per_adapter(tiny_llama_dir: Path, tmp_path: Path) 
     adapter = write_adapter(tmp_path / "bot", seed=3)
     prompts = [p + p + p for p in random_prompts(4, 500, 6, 10, seed=5)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with LLM(tiny_llama_dir, speculative="ngram", num_speculative_tokens=3) as llm:
+    with LLM(tiny_llama_dir, speculative="ngram", num_speculative_tokens=3, speculative_off_batch=0) as llm:
         llm.generate(prompts, params, adapters=[None, adapter, None, adapter])
         counts = llm.engine.stats().spec_decode
     assert set(counts) == {"", "bot"}
@@ -56,8 +56,8 @@ def test_metrics_carry_vllm_names_and_lora_name() -> None:
         _stats({"": SpecDecodeCounts(4, 12, 5, (3, 2, 0)), "bot": SpecDecodeCounts(2, 6, 1, (1, 0, 0))})
     )
     samples = _samples(metrics)
-    base = (("lora_name", ""), ("model_name", "base"))
-    bot = (("lora_name", "bot"), ("model_name", "base"))
+    base = (("engine", "0"), ("lora_name", ""), ("model_name", "base"))
+    bot = (("engine", "0"), ("lora_name", "bot"), ("model_name", "base"))
     assert samples[("vllm:spec_decode_num_drafts_total", base)] == 4
     assert samples[("vllm:spec_decode_num_draft_tokens_total", base)] == 12
     assert samples[("vllm:spec_decode_num_accepted_tokens_total", base)] == 5

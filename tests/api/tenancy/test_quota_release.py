@@ -104,7 +104,9 @@ def test_a_request_cut_off_by_a_disconnect_is_charged_what_it_is_billed(state: A
     meter = state.inference.meter
     assert isinstance(meter, RequestMeter)
     deadline = time.monotonic() + 30
-    while meter.in_flight(request_id) is not None or quotas.limiter.num_concurrent(tenant_id):
+    while meter.in_flight(request_id, tenant_id=tenant_id) is not None or quotas.limiter.num_concurrent(
+        tenant_id
+    ):
         assert time.monotonic() < deadline, "the request never ended"
         time.sleep(0.01)
     meter.flush()
