@@ -12,6 +12,8 @@ burst of load from other work on a shared machine hit all three cases alike, and
 steps it hit hardest. Targets: one_over_base >= 0.85, distinct_over_base >= 0.70, and 32 distinct DoRA
 adapters vs 32 distinct plain ones dora_over_lora >= 0.9 (same factors plus the per-slot output scale).
 Prints the bytes read per decode step (base weights + the distinct adapters' factors) with each figure.
+`distinct8_over_base`: 8 distinct adapters round-robin over the 32 rows. On an MoE model (`--model
+bench-moe`) the adapters are peft's, on q/k/v/o_proj and the expert tensors, and there is no DoRA case.
 `heads_over_shared`: the 32 distinct adapters, each also with its own lm_head copy (modules_to_save), vs
 the same adapters sharing the base head, with `bytes_per_step_heads` (32 heads read instead of one).
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Timer, add_model_arg, bench_model, setup_threads  # noqa: E402
-from benchmarks.lora_workload import make_lora_adapters  # noqa: E402
+from benchmarks.lora_workload import is_moe, make_lora_adapters, make_peft_moe_adapters  # noqa: E402
 
 BATCH = 32
 PROMPT_LEN = 32
@@ -95,19 +97,24 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bench_model(args.model, Path(tmp))
-        dirs = make_lora_adapters(model_dir, Path(tmp) / "adapters", num=BATCH, rank=16)
-        dora_dirs = make_lora_adapters(model_dir, Path(tmp) / "dora", num=BATCH, rank=16, dora=True)
+        moe = is_moe(model_dir)  # adapters on attention and the experts, built by peft; no DoRA case
+        make = make_peft_moe_adapters if moe else make_lora_adapters
+        dirs = make(model_dir, Path(tmp) / "adapters", num=BATCH, rank=16)
+        dora_dirs = (
+            [] if moe else make_lora_adapters(model_dir, Path(tmp) / "dora", num=BATCH, rank=16, dora=True)
+        )
         config = EngineConfig(max_num_seqs=BATCH, max_loras=BATCH, max_cpu_loras=BATCH, max_lora_rank=16,
                               num_kv_blocks=BATCH * ((PROMPT_LEN + args.steps + 8) // 16 + 2))  # fmt: skip
-        names = ("base", "one", "distinct", "dora", "heads")
+        names = ("base", "one", "distinct8", "distinct", "heads") + (() if moe else ("dora",))
         engines = {name: LLMEngine(model_dir, dtype=args.dtype, config=config) for name in names}
         head = engines["base"].runner.model.lm_head.weight.detach()
         head_dirs = with_own_heads(dirs, Path(tmp) / "heads", head)
         refs = [engines["one"].lora.local_ref(d) for d in dirs]
-        dora_refs = [engines["dora"].lora.local_ref(d) for d in dora_dirs]
+        dora_refs = [engines["one"].lora.local_ref(d) for d in dora_dirs]
         head_refs = [engines["heads"].lora.local_ref(d) for d in head_dirs]
-        cases = {"base": [None] * BATCH, "one": [refs[0]] * BATCH, "distinct": refs, "dora": dora_refs,
-                 "heads": head_refs}  # fmt: skip
+        eight = [refs[i % 8] for i in range(BATCH)]
+        cases = {"base": [None] * BATCH, "one": [refs[0]] * BATCH, "distinct8": eight, "distinct": refs,
+                 "dora": dora_refs, "heads": head_refs}  # fmt: skip
         for name, engine in engines.items():
             start_decoding(engine, cases[name], args.steps)
         times = interleaved_step_seconds(engines, args.steps)
@@ -128,7 +135,9 @@ def main() -> None:
         "distinct_tok_s": round(tok_s["distinct"], 2),
         "one_over_base": round(tok_s["one"] / tok_s["base"], 3),
         "distinct_over_base": round(tok_s["distinct"] / tok_s["base"], 3),
-        "dora_tok_s": round(tok_s["dora"], 2), "dora_over_lora": round(tok_s["dora"] / tok_s["distinct"], 3),
+        "distinct8_over_base": round(tok_s["distinct8"] / tok_s["base"], 3),
+        "dora_tok_s": round(tok_s["dora"], 2) if "dora" in tok_s else None,
+        "dora_over_lora": round(tok_s["dora"] / tok_s["distinct"], 3) if "dora" in tok_s else None,
         "bytes_per_step_base": base_bytes, "bytes_per_step_one": base_bytes + adapter_bytes // BATCH,
         "bytes_per_step_distinct": base_bytes + adapter_bytes,
         "heads_tok_s": round(tok_s["heads"], 2),
