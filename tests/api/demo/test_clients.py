@@ -132,7 +132,9 @@ def test_agents_sdk_default_model_with_a_required_function_tool(served: ServerPr
 
     client = AsyncOpenAI(base_url=f"{served.base_url}/v1", api_key=key, max_retries=0)
     model = OpenAIResponsesModel(model=MODEL, openai_client=client)
-    settings = ModelSettings(tool_choice="required", max_tokens=MAX_TOKENS)
+    # greedy: sampled at the default temperature 1 the 135M model now and then ran past max_tokens
+    # (response.incomplete, which the SDK raises), one run in a full suite
+    settings = ModelSettings(tool_choice="required", max_tokens=MAX_TOKENS, temperature=0.0)
     agent = Agent(
         name="weather",
         instructions="Answer with the tool.",
@@ -142,7 +144,10 @@ def test_agents_sdk_default_model_with_a_required_function_tool(served: ServerPr
         tool_use_behavior="stop_on_first_tool",  # "required" again after the call would never end
     )
     plain = Agent(
-        name="plain", instructions="Be brief.", model=model, model_settings=ModelSettings(max_tokens=24)
+        name="plain",
+        instructions="Be brief.",
+        model=model,
+        model_settings=ModelSettings(max_tokens=48, temperature=0.0),
     )
 
     async def both():  # one event loop: the client's connections belong to it
