@@ -65,6 +65,7 @@ class ProjectionSlots:
     out_scale: torch.Tensor  # [N, sum(H_out_s)] float32, DoRA's m / ||W + s B A|| (1: not DoRA)
     out_shift: torch.Tensor | None  # [N, sum(H_out_s)] float32 (1 - out_scale) * bias; None: no bias
     dora_slots: set[int]  # host: slots whose adapter rescales this projection
+    covered: set[int]  # host: slots whose adapter has LoRA on this projection
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,7 @@ class SlotPool:
                     if biased
                     else None,
                     dora_slots=set(),
+                    covered=set(),
                 )
             self.layers.append(per_proj)
         # MoE: per sparse layer, the expert tensors' virtual slots (adapters/expert_slots.py)
@@ -167,6 +169,10 @@ class SlotPool:
             for packed, proj in per_proj.items():
                 modules = PACKED_PROJECTIONS.get(packed) or _MOE_GATE_SLOTS[packed]
                 self._write_out_vectors(proj, slot, [adapter.weights.get((layer, m)) for m in modules])
+                if any((layer, m) in adapter.weights for m in modules):
+                    proj.covered.add(slot)
+                else:
+                    proj.covered.discard(slot)
                 for s, module in enumerate(modules):
                     pair = adapter.weights.get((layer, module))
                     if pair is None:

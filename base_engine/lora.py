@@ -112,6 +112,8 @@ class LoraStepBatch:
         if y.device.type != "cpu" or not slots.dora_slots.isdisjoint(self.step_slots):
             out_scale, out_shift = slots.out_scale, slots.out_shift
         if y.device.type == "cpu":
+            if slots.covered.isdisjoint(self.step_slots):
+                return  # no row of the step has LoRA here (e.g. the router, MLPs of attention-only adapters)
             # Many small matmuls: on a few shared cores, extra OpenMP threads only add barrier waits.
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
