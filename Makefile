@@ -5,13 +5,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-ray lint bench serve system-deps clean
+.PHONY: constraints setup test test-fast test-ray lint bench serve system-deps clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
 	@touch $(STAMP)
 
 # instructor (tests/api/demo/test_instructor.py) is not in the dev extras: 1.17.0, the only release,
@@ -25,6 +25,11 @@ $(INSTRUCTOR_STAMP): $(STAMP) Makefile
 	@touch $@
 
 setup: $(STAMP) $(INSTRUCTOR_STAMP)
+
+# Rewrites constraints.txt from .venv (after an upgrade that `make test` passed).
+constraints: setup
+	@{ sed -n '/^#/p' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v -i -E '^(torch|instructor|docstring.parser)=='; } > constraints.txt.new
+	@mv constraints.txt.new constraints.txt
 
 # PostgreSQL server binaries and Chromium come from Debian packages when missing.
 system-deps:
