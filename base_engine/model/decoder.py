@@ -16,6 +16,7 @@ from torch import nn
 
 from base_engine.invariant import invariant_linear
 from base_engine.model.config import ModelConfig
+from base_engine.model.gated import gated
 from base_engine.model.gemma import GemmaDecoderLayer, GemmaRMSNorm, embed_scale, softcap
 from base_engine.model.moe import SparseMoeBlock
 from base_engine.model.norm_rows import normed
@@ -154,7 +155,7 @@ class MLP(nn.Module):
         if lora is not None:
             lora.apply(self.layer, "gate_up_proj", gate_up, x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        hidden = (F.gelu(gate, approximate="tanh") if self.is_gelu else F.silu(gate)) * up
+        hidden = gated(gate, up, gelu=self.is_gelu)
         out = project(self.down_proj, hidden, invariant)
         if lora is not None:
             lora.apply(self.layer, "down_proj", out, hidden)
@@ -291,5 +292,9 @@ def _head(hidden: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.
         return linear(hidden, weight)
     out = hidden.new_empty(hidden.shape[0], vocab)
     for start in range(0, vocab, LOGITS_CHUNK):
-        out[:, start : start + LOGITS_CHUNK] = linear(hidden, weight[start : start + LOGITS_CHUNK])
+        chunk = slice(start, start + LOGITS_CHUNK)
+        if invariant:
+            out[:, chunk] = linear(hidden, weight[chunk])
+        else:  # the GEMM writes its columns of `out` in place: no copy (a parallel region from 64 rows on)
+            torch.mm(hidden, weight[chunk].t(), out=out[:, chunk])
     return out

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from base_engine.invariant import invariant_linear
+from base_engine.model.gated import gated
 from base_engine.model.moe_config import MoeConfig
 from kernels.moe import grouped_gemm
 from kernels.moe.routing import combine, route
@@ -71,7 +72,7 @@ class SharedExpert(nn.Module):
         if lora is not None:
             lora.apply(layer, "gate_up_proj", gate_up, x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        hidden = F.silu(gate) * up
+        hidden = gated(gate, up)
         out = linear(hidden, self.down_proj.weight, None)
         if lora is not None:
             lora.apply(layer, "down_proj", out, hidden)

@@ -134,8 +134,12 @@ def _decode(
     # Gather each row's blocks: [n * num_blocks, bs, KVH, D] -> [n, KVH, L, D]
     flat = bucket.block_tables.view(-1)
     copies = 1 if bucket.shared_keys else n  # shared: one gathered copy, broadcast to every row
-    keys = kv_cache[0].index_select(0, flat).view(copies, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = kv_cache[1].index_select(0, flat).view(copies, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # K and V in one gather (one parallel region, not two: each region's join waits on every thread,
+    # which on shared cores means a descheduled one): the pool as [2 * blocks, ...], V's blocks offset.
+    num_blocks = kv_cache.shape[1]
+    pool = kv_cache.view(2 * num_blocks, *kv_cache.shape[2:])
+    both = pool.index_select(0, torch.cat([flat, flat + num_blocks]))
+    keys, values = (half.view(copies, -1, num_kv_heads, head_dim).transpose(1, 2) for half in both.chunk(2))
     if bucket.shared_keys:
         keys, values = keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1)
     res = _sdpa(qd, keys, values, mask=bucket.mask, scale=scale, softcap=softcap)
