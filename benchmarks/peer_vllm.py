@@ -23,7 +23,10 @@ over wall time of `generate`) and ours over each vLLM variant.
 quiet first, then N busy processes are started, pinned to the cores the engines may use, for all
 sides' rounds, and stopped after them. The line then gives every side's tok/s under load, ours quiet
 (`ours_quiet_tok_s`), ours loaded / quiet (`ours_loaded_over_quiet`, target >= 0.4), the
-background_load and the load average read at the end of the loaded rounds.
+background_load and the load average read at the end of the loaded rounds. Our worker runs with
+`OMP_WAIT_POLICY=PASSIVE`, as the `loraserve` entry point serves (unless the environment sets one;
+`ours_omp_wait_policy` in the line): libgomp's default spins at every join, which on shared cores
+took the time slices a descheduled thread needed (benchmarks/step_regions.py, README).
 """
 
 from __future__ import annotations
@@ -203,7 +206,10 @@ def bench(model: str, suite: str, args: argparse.Namespace, tmp: Path) -> dict:
     try:
         # Loaded one after the other (two loads at once would slow each other down).
         for name, cmd in sides.items():
-            workers[name] = Worker(name, cmd, env, tmp / f"{name}-{model}-{suite}.log")
+            # Ours runs with the wait policy the `loraserve` entry point sets (api/cli/main.py), unless told.
+            policy = {"OMP_WAIT_POLICY": env.get("OMP_WAIT_POLICY", "PASSIVE")} if name == "ours" else {}
+            side_env = {**env, **policy}
+            workers[name] = Worker(name, cmd, side_env, tmp / f"{name}-{model}-{suite}.log")
             workers[name].wait_ready()
         # Ours quiet first (only when a load follows: it is the loaded/quiet baseline).
         quiet = [workers["ours"].round() for _ in range(args.rounds if args.background_load else 0)]
@@ -224,6 +230,7 @@ def bench(model: str, suite: str, args: argparse.Namespace, tmp: Path) -> dict:
         result[f"ratio_vs_{variant}"] = round(best["ours"] / best[name], 3)
     result["ours_threads"] = args.ours_threads or len(os.sched_getaffinity(0))
     result["background_load"] = args.background_load
+    result["ours_omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     if quiet:
         result["ours_quiet_tok_s"] = round(max(quiet), 2)
         result["ours_loaded_over_quiet"] = round(best["ours"] / max(quiet), 3)
