@@ -66,7 +66,8 @@ class EngineConfig:
     # Speculative decoding (base_engine/speculative/): "ngram", "draft:<dir>" or None (off); drafts per step.
     speculative: str | None = None
     num_speculative_tokens: int = 4
-    # No drafts in a step with this many decodes: None = measured at start (speculative/probe.py), 0 = never.
+    # No drafts in a step with this many decodes: None = measured at start with the verify cost table that
+    # cost-aware k weighs (speculative/probe.py, cost.py); a number (0 = never) = adaptive k alone.
     speculative_off_batch: int | None = None
 
     def __post_init__(self) -> None:
