@@ -26,16 +26,16 @@ from base_engine.speculative.cost import BREAK_EVEN_ALPHA, CostTable, pays_at
 logger = logging.getLogger(__name__)
 
 CONTEXT = 128  # tokens before the decoded one (a typical chat context)
-REPEATS = 3  # the fastest of these per timing (after one warm-up)
+REPEATS = 5  # the fastest of these per timing (after one warm-up)
 
 
-def cost_table(step_seconds: Callable[[int, int], float], k: int, max_num_seqs: int) -> CostTable:
-    """t(b, n) = step_seconds(b, n) for n = 1 .. k + 1 and b = 1, 2, 4, ... (<= max_num_seqs), up to
+def cost_table(row_seconds: Callable[[int], tuple[float, ...]], max_num_seqs: int) -> CostTable:
+    """t(b, n) = row_seconds(b)[n - 1] (n = 1 .. K + 1) for b = 1, 2, 4, ... (<= max_num_seqs), up to
     the first b where no k pays at BREAK_EVEN_ALPHA (the table's off_batch)."""
     seconds: dict[int, tuple[float, ...]] = {}
     b = 1
     while b <= max_num_seqs:
-        row = seconds[b] = tuple(step_seconds(b, n) for n in range(1, k + 2))
+        row = seconds[b] = row_seconds(b)
         logger.debug("speculation probe: batch %d, verify / decode = %s", b, [t / row[0] for t in row])
         if not pays_at(row, BREAK_EVEN_ALPHA):
             return CostTable(seconds, off_batch=b)
@@ -46,19 +46,22 @@ def cost_table(step_seconds: Callable[[int, int], float], k: int, max_num_seqs: 
 def measure_costs(runner: ModelRunner, k: int, max_num_seqs: int, max_model_len: int) -> CostTable:
     context = max(1, min(CONTEXT, max_model_len - k - 1))
 
-    def step_seconds(batch: int, num_new: int) -> float:
-        sched = _fake_step(runner, batch, num_new, context)
-        best = float("inf")
+    def row_seconds(batch: int) -> tuple[float, ...]:
+        """The fastest of REPEATS per n, the n interleaved in each repeat so load drift (other
+        processes on a shared host) hits every n of the row alike."""
+        steps = [_fake_step(runner, batch, n, context) for n in range(1, k + 2)]
+        best = [float("inf")] * len(steps)
         for i in range(REPEATS + 1):
-            start = time.perf_counter()
-            result = runner.execute(runner.prepare(sched), None)
-            result.is_finite.tolist()  # waits for the device
-            if i > 0:
-                best = min(best, time.perf_counter() - start)
-        return best
+            for n, sched in enumerate(steps):
+                start = time.perf_counter()
+                result = runner.execute(runner.prepare(sched), None)
+                result.is_finite.tolist()  # waits for the device
+                if i > 0:
+                    best[n] = min(best[n], time.perf_counter() - start)
+        return tuple(best)
 
     with torch.inference_mode():
-        table = cost_table(step_seconds, k, max_num_seqs)
+        table = cost_table(row_seconds, max_num_seqs)
     relative = {b: [round(t / row[0], 2) for t in row] for b, row in table.seconds.items()}
     logger.info("speculation cost table (verify / decode, k=%d): %s; off from batch %s", k, relative,
                 table.off_batch)  # fmt: skip

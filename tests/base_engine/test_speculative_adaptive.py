@@ -79,11 +79,14 @@ def test_the_table_stops_at_the_first_batch_where_no_k_pays_at_high_acceptance()
     # verify / decode at b: (1 + b n) / (1 + b); at alpha 0.9, k = 1, 2, 3 drafts emit 1.9, 2.71, 3.44
     # tokens: b = 8 still pays (k=1 costs 17 / 9 = 1.89 decodes), b = 16 does not (k=1: 1.94, k=2: 2.88,
     # k=3: 3.82)
-    table = cost_table(step_seconds, 3, 64)
+    def row(batch: int) -> tuple[float, ...]:
+        return tuple(step_seconds(batch, n) for n in range(1, 5))
+
+    table = cost_table(row, 64)
     assert sorted(table.seconds) == [1, 2, 4, 8, 16] and table.off_batch == 16
     assert table.seconds[4] == tuple(1.0 + 4 * n for n in range(1, 5))
-    assert cost_table(step_seconds, 3, 4).off_batch is None  # never reached within max_num_seqs
-    assert cost_table(lambda b, n: 1.0, 3, 64).off_batch is None  # overhead only: drafts are free
+    assert cost_table(row, 4).off_batch is None  # never reached within max_num_seqs
+    assert cost_table(lambda b: (1.0,) * 4, 64).off_batch is None  # overhead only: drafts are free
 
 
 class Watching:
