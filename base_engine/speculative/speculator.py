@@ -5,7 +5,8 @@ without speculation: README), has no grammar (its matcher holds one state, advan
 row), and did not opt out (``SamplingParams.speculative``). Its k never lets the emitted tokens pass
 ``max_tokens`` or the context. With a measured cost table (``costs``, probe.py) its k is also the one
 cost.py expects to pay best at this step's number of decodes, given its acceptance and the proposer's
-measured seconds per draft token; none that pays: no drafts, and a cooldown (adaptive.py).
+measured seconds per draft token; none that pays: no drafts, and a cooldown (adaptive.py); where not
+even all-accepted drafts could pay (a drafter dearer than what the verify saves), no probes either.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from base_engine.sequence import Sequence
 from base_engine.speculative.adaptive import AdaptiveK
 from base_engine.speculative.cost import CostTable, choose_k
 from base_engine.speculative.ngram import NgramProposer
+
+# The drafter's cost is trusted for "never pays" after this many timed proposals (a request's first
+# one includes its prefill); then one in RECHECK such request steps drafts anyway (load changes).
+MIN_DRAFT_TIMINGS = 4
+RECHECK = 256
 
 
 class Proposer(Protocol):
@@ -88,6 +94,9 @@ class Speculator:
         self.num_off_steps = 0  # steps switched off by off_batch
         self.costs: CostTable | None = None  # measured at start (None: adaptive k alone)
         self.draft_seconds = 0.0  # the proposer's seconds per draft token, exponentially averaged
+        self.num_draft_timings = 0  # proposals timed into draft_seconds
+        self.prior = (1.0, 1.0)  # (accepted, trials) over all verifies: a new request's starting alpha
+        self.num_never_pays = 0  # request steps where drafts could not pay even if all accepted
 
     def propose(self, running: Iterable[Sequence]) -> None:
         """Sets ``draft_token_ids`` of every running request (empty where it is not speculated)."""
@@ -105,7 +114,14 @@ class Speculator:
             seq.draft_token_ids = self._draft(seq, k) if k > 0 else []
 
     def _k(self, state: AdaptiveK, budget: int, num_decodes: int) -> int:
-        """Adaptive k capped by the budget; with a cost table, the k that pays best (a probe: 1)."""
+        """Adaptive k capped by the budget; with a cost table, the k that pays best (a probe: 1).
+        Where not even acceptance 1 would pay (a drafter dearer than the verify saves), no drafts and
+        no probes: only every RECHECK-th such request step drafts (one token), to re-time the drafter."""
+        if self.costs is not None and self.num_draft_timings >= MIN_DRAFT_TIMINGS:
+            never = choose_k(1.0, budget, num_decodes, self.costs, self.draft_seconds) == 0
+            if never:
+                self.num_never_pays += 1
+                return 0 if self.num_never_pays % RECHECK else 1  # the recheck: one draft, timed
         k = min(budget, state.take())
         if k == 0 or state.probing:
             return k
@@ -124,12 +140,15 @@ class Speculator:
             per_token = (time.perf_counter() - start) / len(drafts)
             previous = self.draft_seconds or per_token
             self.draft_seconds = 0.5 * previous + 0.5 * per_token
+            self.num_draft_timings += 1
         return drafts
 
     def _state(self, seq: Sequence) -> AdaptiveK:
         state = self.adaptive.get(seq.request_id)
         if state is None:
-            state = self.adaptive[seq.request_id] = AdaptiveK(self.k)
+            # A new request's acceptance starts at what this engine's drafts have had lately.
+            accepted, trials = self.prior
+            state = self.adaptive[seq.request_id] = AdaptiveK(self.k, accepted=accepted, trials=trials)
         return state
 
     def _budget(self, seq: Sequence) -> int:
@@ -149,6 +168,10 @@ class Speculator:
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         self._state(seq).update(num_drafts, num_accepted)
+        accepted, trials = self.prior  # averaged slower than a request's own (1 / 8 per verify)
+        rejected = num_accepted < num_drafts
+        trial = num_accepted + rejected
+        self.prior = (0.875 * accepted + 0.125 * num_accepted, 0.875 * trials + 0.125 * trial)
         name = "" if seq.adapter is None else seq.adapter.name
         counts = self.stats.by_ref.setdefault("" if seq.adapter is None else seq.adapter.id, [0, 0])
         counts[0] += num_drafts

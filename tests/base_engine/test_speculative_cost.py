@@ -11,7 +11,7 @@ from base_engine.sequence import Sequence
 from base_engine.speculative.adaptive import MIN_COOLDOWN
 from base_engine.speculative.cost import CostTable, choose_k, expected_tokens
 from base_engine.speculative.ngram import NgramProposer
-from base_engine.speculative.speculator import Speculator
+from base_engine.speculative.speculator import MIN_DRAFT_TIMINGS, RECHECK, Speculator
 
 # t(b, n) for n = 1..5: at b = 1 a 2-token verify costs 1.6 decodes (the CPU figure that made chat lose),
 # at b = 4 it is nearly free (weight-bound), at b = 2 in between.
@@ -75,3 +75,31 @@ def test_the_speculator_follows_the_table_per_request(alpha: float, batch: int, 
             assert running[0].draft_token_ids == []
         spec.propose(running)
         assert len(running[0].draft_token_ids) == 1
+
+
+def test_a_drafter_too_dear_even_at_full_acceptance_gets_no_probes() -> None:
+    spec = Speculator("ngram", 4, 1024, NgramProposer())
+    spec.costs, spec.off_batch = TABLE, TABLE.off_batch
+    spec.draft_seconds, spec.num_draft_timings = 2.0, MIN_DRAFT_TIMINGS  # 2 decodes per draft token
+    running = [_decoding("r0", [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2])]
+    drafted = []
+    for _ in range(RECHECK):
+        spec.propose(running)
+        drafted.append(len(running[0].draft_token_ids))
+    assert drafted[:-1] == [0] * (RECHECK - 1)  # no probes after any cooldown
+    assert drafted[-1] == 1  # the recheck: one draft, to re-time the drafter
+    spec.draft_seconds = 0.0  # a cheap drafter: the usual policy again
+    spec.propose(running)
+    assert spec.num_never_pays == RECHECK
+
+
+def test_a_new_request_starts_at_the_engines_recent_acceptance() -> None:
+    spec = Speculator("ngram", 4, 1024, NgramProposer())
+    spec.costs, spec.off_batch = TABLE, TABLE.off_batch
+    old = _decoding("old", [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2])
+    for _ in range(20):
+        spec.record(old, 4, 0)  # never accepted
+    new = _decoding("new", [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2])
+    spec.propose([new])
+    assert new.draft_token_ids == []  # alpha about 0 from the start: no k = 4 first verify
+    assert spec.adaptive["new"].alpha < 0.1
