@@ -11,6 +11,7 @@ drafts in a step with that many decodes).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -30,12 +31,14 @@ REPEATS = 5  # the fastest of these per timing (after one warm-up)
 
 
 def cost_table(row_seconds: Callable[[int], tuple[float, ...]], max_num_seqs: int) -> CostTable:
-    """t(b, n) = row_seconds(b)[n - 1] (n = 1 .. K + 1) for b = 1, 2, 4, ... (<= max_num_seqs), up to
-    the first b where no k pays at BREAK_EVEN_ALPHA (the table's off_batch)."""
+    """t(b, n) = row_seconds(b)[n - 1] (n = 1 .. K + 1, made non-decreasing in n) for b = 1, 2, 4, ...
+    (<= max_num_seqs), up to the first b where no k pays at BREAK_EVEN_ALPHA (the table's off_batch)."""
     seconds: dict[int, tuple[float, ...]] = {}
     b = 1
     while b <= max_num_seqs:
-        row = seconds[b] = row_seconds(b)
+        # More new tokens are never cheaper: a dip is timing noise (a loaded host), kept out of the
+        # table as the dearer neighbour (t(b, n) >= t(b, n - 1)).
+        row = seconds[b] = tuple(itertools.accumulate(row_seconds(b), max))
         logger.debug("speculation probe: batch %d, verify / decode = %s", b, [t / row[0] for t in row])
         if not pays_at(row, BREAK_EVEN_ALPHA):
             return CostTable(seconds, off_batch=b)
