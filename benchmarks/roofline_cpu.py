@@ -39,15 +39,16 @@ PROMPT_LEN = 32
 RANK = 16
 
 
-def start_engine(model_dir: Path, dtype: str, num_adapters: int, steps: int, tmp: Path):  # noqa: ANN201
+def start_engine(model_dir: Path, args: argparse.Namespace, steps: int, tmp: Path):  # noqa: ANN201
     """An LLMEngine with BATCH requests decoding (each past its first token)."""
     from base_engine import EngineConfig, LLMEngine, SamplingParams
     from benchmarks.lora_workload import is_moe, make_lora_adapters, make_peft_moe_adapters
 
-    slots = max(num_adapters, 1)
+    num_adapters, slots = args.adapters, max(args.adapters, 1)
     config = EngineConfig(max_num_seqs=BATCH, max_loras=slots, max_cpu_loras=slots, max_lora_rank=RANK,
-                          num_kv_blocks=BATCH * ((PROMPT_LEN + steps + 8) // 16 + 2))  # fmt: skip
-    engine = LLMEngine(model_dir, dtype=dtype, config=config)
+                          num_kv_blocks=BATCH * ((PROMPT_LEN + steps + 8) // 16 + 2),
+                          num_threads=args.threads or None)  # fmt: skip
+    engine = LLMEngine(model_dir, dtype=args.dtype, config=config)
     refs: list = [None] * BATCH
     if num_adapters:
         make = make_peft_moe_adapters if is_moe(model_dir) else make_lora_adapters
@@ -98,6 +99,8 @@ def main() -> None:
     parser.add_argument("--split-steps", type=int, default=15, help="steps timed under the hooks")
     parser.add_argument("--adapters", type=int, default=0, metavar="N",
                         help="N distinct adapters over the 32 rows [default: 0, base model]")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=0,
+                        help="engine intra-op threads [default: the CPUs this process may use]")  # fmt: skip
     args = parser.parse_args()
     if not 0 <= args.adapters <= BATCH:
         raise SystemExit(f"--adapters must be in [0, {BATCH}], got {args.adapters}")
@@ -106,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bench_model(args.model, Path(tmp))
         total = args.steps + args.split_steps + 3
-        engine = start_engine(model_dir, args.dtype, args.adapters, total, Path(tmp))
+        engine = start_engine(model_dir, args, total, Path(tmp))
         result = {"benchmark": "roofline-cpu", "model": args.model, "dtype": args.dtype, "batch": BATCH,
                   "adapters": args.adapters, "threads": torch.get_num_threads()}  # fmt: skip
         result |= measure(engine, args.steps, args.split_steps)
