@@ -95,8 +95,12 @@ def vllm_worker(spec: dict, *, eager: bool) -> None:
         options |= dict(
             enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, max_cpu_loras=NUM_ADAPTERS
         )
+    fused = spec.get("fused_moe_lora", False)  # peft's expert adapters: 3-D tensors on the experts
+    if lora and fused:
+        options["enable_mixed_moe_lora_format"] = True  # vLLM refuses them without it (and the flag below)
     llm = LLM(**options)
-    requests = [LoRARequest(f"a{i}", i + 1, d) for i, d in enumerate(spec.get("adapters") or [])]
+    dirs = spec.get("adapters") or []
+    requests = [LoRARequest(f"a{i}", i + 1, d, is_3d_lora_weight=fused) for i, d in enumerate(dirs)]
 
     def run(prompts: list[list[int]], lens: list[int], picks: list[int] | None) -> float:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -199,6 +203,7 @@ def make_spec(model: str, suite: str, tmp: Path, num_requests: int) -> dict:
         make = make_peft_moe_adapters if is_moe(model_dir) else make_lora_adapters
         dirs = make(model_dir, tmp / f"adapters-{model}", num=NUM_ADAPTERS, rank=RANK)
         spec["adapters"] = [str(d) for d in dirs]
+        spec["fused_moe_lora"] = is_moe(model_dir)
         spec["picks"] = zipf_assign(len(wl.prompts), len(dirs), seed=0)
         spec["warmup"]["picks"] = list(range(4))
     return spec
