@@ -5,8 +5,11 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+from kernels.sgmv import cost_model
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -77,3 +80,14 @@ def make_saved_adapter(
                     param.mul_(4.0)
         model.save_pretrained(out)
     return out
+
+
+def pin_schedule(monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
+    """ "bag": every segment in bags (prefill runs too); "loop": no bags, the fused segment loop only."""
+    # bag: bags cost nothing, a loop segment 1 s; loop: the bag schedule costs 1 s to start
+    costs = (
+        cost_model.ScheduleCosts(0.0, 0.0, 1.0, 0.0, 0.0)
+        if schedule == "bag"
+        else cost_model.ScheduleCosts(1.0, 0.0, 0.0, 0.0, 0.0)
+    )
+    monkeypatch.setattr(cost_model, "costs_for", lambda dtype, device: costs)
