@@ -20,6 +20,7 @@ from tests.adapters.engine_helpers import (
 )
 from tests.base_engine.oracle import assert_greedy_match
 from tests.harness.engine_inputs import random_prompts
+from tests.harness.families import CHECKPOINTS, FAMILIES
 
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
@@ -69,3 +70,23 @@ def test_every_kind_in_one_batch_matches_peft(
         compared += assert_greedy_match(out.token_ids, out.logprobs, ref_tokens, ref_lps,
                                         label=f"{label} {NAMES[i]} #{i}")  # fmt: skip
     assert compared >= len(NAMES) * MAX_NEW - 4  # near-ties may cut a comparison short
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_embedding_head_and_copies_on_every_family_match_peft(family: str, make_checkpoint, tmp_path) -> None:
+    """Embedding and lm_head LoRA with norm copies in one adapter, lm_head and embed_tokens copies in
+    another, beside base rows, on each served family (tied heads, Gemma's scaled embedding and soft-cap,
+    Phi-3's fused projections)."""
+    model_dir = make_checkpoint(**CHECKPOINTS[family])
+    lora = make_saved_adapter(model_dir, tmp_path / "l", seed=310, r=4, modules_to_save=["norm"],
+                              target_modules=["embed_tokens", "lm_head", "o_proj"])  # fmt: skip
+    copies = make_saved_adapter(model_dir, tmp_path / "c", seed=311, r=4, target_modules=["o_proj"],
+                                modules_to_save=["lm_head", "embed_tokens"])  # fmt: skip
+    picks = [lora, None, copies, lora]
+    prompts = random_prompts(len(picks), 500, 4, 12, seed=312)
+    llm = LLM(model_dir, num_kv_blocks=64, block_size=4, max_loras=2, max_lora_rank=8)
+    outs = llm.generate(prompts, GREEDY, adapters=picks)
+    refs = peft_references(model_dir, {"l": lora, "c": copies}, ["l", None, "c", "l"], prompts, MAX_NEW)
+    for i, out in enumerate(outs):
+        assert_greedy_match(out.token_ids, out.logprobs, *refs[i], label=f"{family} #{i}")
