@@ -2,10 +2,11 @@
 
 A legal adapter targets at most the seven projections of every layer (with DoRA, a magnitude vector
 [out] beside each), the input embedding (`lora_embedding_A` [r, vocab], `lora_embedding_B` [hidden, r])
-and the LM head (`lora_A` [r, hidden], `lora_B` [vocab, r]), and on an MoE model both expert tensors of
-every sparse layer (E factor pairs each) and its gates, each at rank <= `max_lora_rank`. Some of these
-exclude each other (DoRA refuses target_parameters and the embedding/head); the bound adds them all,
-so it is never below a legal file. Its widest legal dtype is fp32 (F32, F16 and BF16 are accepted).
+and the LM head (`lora_A` [r, hidden], `lora_B` [vocab, r]), and on an MoE model both expert tensors
+of every sparse layer (E factor pairs each, or three per expert as transformers 4 saved them) and its
+gates, each at rank <= `max_lora_rank`. Some of these exclude each other (DoRA refuses
+target_parameters, per-expert modules and the embedding/head); the bound adds them all, so it is never
+below a legal file. Its widest legal dtype is fp32 (F32, F16 and BF16 are accepted).
 Whole-module copies are bounded apart (`max_replacement_file_bytes`): embed_tokens and lm_head hold
 at most one [vocab, hidden] matrix each in the file (a `modules_to_save` copy, or the base weight PEFT
 saves beside a LoRA on the module, checked against the served one at load), norms their weight vectors.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from adapters.peft_targets import module_keys
 from adapters.replacements import REPLACEABLE, replaceable_norm, replacement_shape
-from adapters.types import EXPERT_MODULES, LORA_MODULES, MOE_GATES, BaseModelShapes
+from adapters.types import LORA_MODULES, MOE_GATES, BaseModelShapes
 
 FP32_BYTES = 4
 HEADER_BASE_BYTES = 64 << 10  # the 8-byte length, braces and `__metadata__`
@@ -32,21 +33,22 @@ def max_adapter_weights_bytes(base: BaseModelShapes, max_lora_rank: int) -> int:
     if max_lora_rank <= 0:
         raise ValueError(f"max_lora_rank must be positive, got {max_lora_rank}")
     r = max_lora_rank
-    shapes = [base.module_shape(m) for m in LORA_MODULES]
-    per_layer = sum(r * (h_in + h_out) + h_out for h_in, h_out in shapes)  # A, B and the magnitude
-    elements = per_layer * base.num_layers
+    elements = 0
+    for layer in range(base.num_layers):  # a sparse layer's MLP projections: its shared expert, if any
+        shapes = [base.module_shape(m, layer if base.has_mlp(layer) else None) for m in LORA_MODULES]
+        elements += sum(r * (h_in + h_out) + h_out for h_in, h_out in shapes)  # A, B and the magnitude
     num_tensors = 3 * len(LORA_MODULES) * base.num_layers
     elements += 2 * r * (base.vocab_size + base.hidden_size)  # embed_tokens and lm_head LoRA
     num_tensors += 4
-    if base.moe is not None:  # LoRA on the expert tensors: E factor pairs each, on every sparse layer
-        sparse = sum(base.moe.sparse_layers)
-        for module in EXPERT_MODULES:
-            num_experts, hidden_in, hidden_out = base.expert_shape(module)
-            elements += sparse * num_experts * r * (hidden_in + hidden_out)
+    if base.moe is not None:  # LoRA on every expert of every sparse layer, in the larger of two layouts:
+        # transformers 5's fused tensors (gate_up [r, H] + [2I, r], down [r, I] + [H, r] per expert) or
+        # transformers 4's per-expert gate/up/down (3 pairs: r (3H + 3I) per expert, experts_v4.py)
+        sparse, size = sum(base.moe.sparse_layers), base.moe.expert_intermediate_size
+        elements += sparse * base.moe.num_experts * r * 3 * (base.hidden_size + size)
         for gate in MOE_GATES:  # the router and Qwen2-MoE's shared-expert gate, with a magnitude each
             hidden_in, hidden_out = base.module_shape(gate)
             elements += sparse * (r * (hidden_in + hidden_out) + hidden_out)
-        num_tensors += (2 * len(EXPERT_MODULES) + 3 * len(MOE_GATES)) * sparse
+        num_tensors += (6 * base.moe.num_experts + 3 * len(MOE_GATES)) * sparse
     return elements * FP32_BYTES + HEADER_BASE_BYTES + num_tensors * HEADER_BYTES_PER_TENSOR
 
 
