@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route as StarletteRoute
 
 from adapters.validation import validate_adapter
-from api.context import assigned_request_id, new_request_id
+from api.context import AssignedId, assigned_request_id, new_request_id
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart, stream_asgi
 from api.fleet.routing import AdapterRouter, parse_model_id
 from migrations.api import upgrade
@@ -55,6 +55,7 @@ def test_routing_identity_is_the_engines_adapter_id(registry: tuple[AdapterRoute
     assert route.request_id.startswith("chatcmpl-") and route.is_idempotent
     assert _post(router, "/v1/completions", key, "bot@1").model_id == f"{tenant_id}/bot@1"
     assert _post(router, "/tokenize", key, "bot").request_id is None
+    assert _post(router, "/v1/responses", key, "bot").model_id == f"{tenant_id}/bot@1"
     # Base model, unknown adapter, bad key, bad JSON: any replica (which answers 404/401/400 itself).
     assert _post(router, "/v1/completions", key, BASE_MODEL).model_id is None
     assert _post(router, "/v1/completions", key, "nope").model_id is None
@@ -80,7 +81,7 @@ def test_parse_model_id_names_the_expected_form() -> None:
 
 
 def test_assigned_request_id_becomes_the_response_id() -> None:
-    token = assigned_request_id.set("cmpl-from-the-ingress")
+    token = assigned_request_id.set(AssignedId("cmpl-from-the-ingress"))
     try:
         assert new_request_id("completion") == "cmpl-from-the-ingress"
         assert new_request_id("chat").startswith("chatcmpl-")  # another kind's id is never reused
