@@ -37,6 +37,7 @@ from api.context import AssignedId
 from api.errors import APIError, request_id_in_use
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart
 from api.fleet.replica import LoraReplica
+from api.fleet.residency_router import residency_router_config
 from api.fleet.routing import AdapterRouter, InFlightIds, Route
 from api.http.body_limit import STREAMED_UPLOADS, read_body
 from api.settings import load_settings
@@ -171,7 +172,9 @@ def build_app(args: dict[str, Any]) -> Any:
     affinity = str(args.pop("affinity", "true")).lower() not in ("0", "false", "no")
     num_cpus = float(args.pop("replica_num_cpus", 1))
     settings = load_settings(**args)  # invalid args fail here, naming the field, before anything starts
+    routing = {"request_router_config": residency_router_config()} if affinity else {}
     replica = serve.deployment(LoraReplica).options(
+        **routing,  # affinity: the replicas' residency series; else Ray's power-of-two (the baseline)
         name="LoraReplica",
         num_replicas=num_replicas,
         max_ongoing_requests=settings.max_num_seqs,  # a full batch: more spills to another replica

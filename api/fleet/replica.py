@@ -27,6 +27,7 @@ from ray import serve
 
 from api.context import AssignedId, assigned_request_id
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart, stream_asgi
+from api.fleet.residency_signal import parse_residency
 from api.fleet.routing import parse_model_id
 from api.settings import Settings, load_settings
 from registry.adapters import resolve_adapter
@@ -78,6 +79,16 @@ async def serve_assigned(
     finally:
         with contextlib.suppress(ValueError):  # a generator may be finalized in another context
             assigned_request_id.reset(token)
+
+
+async def scrape_residency(app: Any) -> dict[str, Any]:
+    """The app's own `GET /metrics`, its residency series parsed (api/fleet/residency_signal.py), as
+    a router outside Ray scrapes them; {} (no preference) when /metrics did not answer."""
+    chunks = [c async for c in stream_asgi(app, HttpRequest("GET", "/metrics"))]
+    start, body = chunks[0], b"".join(c for c in chunks[1:] if isinstance(c, bytes))
+    if not isinstance(start, ResponseStart) or start.status != 200:
+        return {}
+    return parse_residency(body.decode()).to_stats()
 
 
 class LoraReplica:
@@ -144,6 +155,10 @@ class LoraReplica:
                 return resolve_adapter(session, tenant_id=tenant_id, model=model)
         except (ValueError, NotFound):
             return None
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What Ray's router (api/fleet/residency_router.py) reads: this replica's residency."""
+        return await scrape_residency(self.app)
 
     async def check_health(self) -> None:
         """Ray's health check: a replica whose engine thread died is restarted."""
