@@ -10,7 +10,8 @@ through the registry with a small TTL cache: one database round trip per (key, m
 It authorizes nothing: a bad key, an unknown model or a stale cache entry only routes the request to
 some replica, which authenticates and resolves again and answers 401/404 itself.
 
-The request id: a client's well-formed `X-Request-Id` (api/inference/client_id.py) becomes
+The request id: a client's well-formed `X-Request-Id` (api/inference/client_id.py; passed on as
+`CLIENT_REQUEST_ID` by api/fleet/proxy_headers.py) becomes
 `<prefix>-<that id>`, else a random one; the replica takes it as its own (`api.context.AssignedId`).
 A malformed header gets a random id and the replica's 400 naming the header. `InFlightIds` is the
 fleet-wide half of the 409 `request_id_in_use`: one replica sees only its own requests in flight.
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from api.context import ID_PREFIX, RequestKind, new_request_id
+from api.fleet.proxy_headers import CLIENT_REQUEST_ID
 from api.inference.client_id import is_well_formed
 from registry.adapters import resolve_adapter
 from registry.errors import AuthError, NotFound
@@ -174,8 +176,9 @@ def _digest(api_key: str) -> str:
 
 
 def _client_id(headers: Mapping[str, str]) -> str | None:
-    """The client's X-Request-Id when well-formed (a malformed one: the replica's 400 names it)."""
-    raw = headers.get("x-request-id")
+    """The client's X-Request-Id when well-formed (a malformed one: the replica's 400 names it), as
+    the proxy's middleware passed it on (Ray gives a request without one a UUID of its own)."""
+    raw = headers.get(CLIENT_REQUEST_ID)
     return raw if raw is not None and is_well_formed(raw) else None
 
 

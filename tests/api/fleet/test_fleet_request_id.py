@@ -20,6 +20,7 @@ from api.app import create_app
 from api.bootstrap import build_state
 from api.context import AssignedId
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart
+from api.fleet.proxy_headers import with_client_request_id
 from api.fleet.replica import serve_assigned
 from api.fleet.routing import AdapterRouter, InFlightIds, Route
 from api.settings import Settings
@@ -100,6 +101,16 @@ def _billed(fleet: Fleet, tenant_id: str, request_id: str) -> list[object]:
     return [r for r in records if r.request_id == request_id]
 
 
+def _at_ingress(headers: dict[str, str]) -> dict[str, str]:
+    """The headers as the ingress sees them behind Ray's proxy and our proxy middleware."""
+    raw = with_client_request_id([(k.lower().encode(), v.encode()) for k, v in headers.items()])
+    return {k.decode(): v.decode() for k, v in raw} | {"x-request-id": "ray-assigned-uuid"}
+
+
+def _route(fleet: Fleet, headers: dict[str, str]) -> Route:
+    return fleet.router.route("POST", "/v1/chat/completions", _at_ingress(headers), json.dumps(BODY).encode())
+
+
 BODY = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
@@ -107,8 +118,7 @@ def test_client_id_is_the_fleets_request_id_and_a_retry_bills_once(fleet: Fleet)
     tenant_id, key = _tenant(fleet)
     rid = f"trace:{uuid.uuid4().hex[:12]}.span_1-a"
     headers = {"Authorization": f"Bearer {key}", "X-Request-Id": rid}
-    route = fleet.router.route("POST", "/v1/chat/completions", {k.lower(): v for k, v in headers.items()},
-                               json.dumps(BODY).encode())  # fmt: skip
+    route = _route(fleet, headers)
     assert route.request_id == f"chatcmpl-{rid}" and route.client_id == rid and route.tenant_id == tenant_id
     status, got_headers, body = fleet.send(0, route, headers, BODY)
     assert status == 200, body
@@ -127,10 +137,9 @@ def test_client_id_is_the_fleets_request_id_and_a_retry_bills_once(fleet: Fleet)
         assert rid in refused["error"]["message"]
     # Another tenant may use the same id.
     other_id, other_key = _tenant(fleet)
-    other = fleet.router.route("POST", "/v1/chat/completions", {"authorization": f"Bearer {other_key}",
-                               "x-request-id": rid}, json.dumps(BODY).encode())  # fmt: skip
-    assert other.tenant_id == other_id and other.request_id == route.request_id
     other_headers = {"Authorization": f"Bearer {other_key}", "X-Request-Id": rid}
+    other = _route(fleet, other_headers)
+    assert other.tenant_id == other_id and other.request_id == route.request_id
     status, _, theirs = fleet.send(1, other, other_headers, BODY)
     assert status == 200 and theirs["id"] == f"chatcmpl-{rid}"
     assert len(_billed(fleet, other_id, theirs["id"])) == 1
@@ -139,12 +148,17 @@ def test_client_id_is_the_fleets_request_id_and_a_retry_bills_once(fleet: Fleet)
 def test_a_malformed_client_id_is_the_replicas_400(fleet: Fleet) -> None:
     _, key = _tenant(fleet)
     headers = {"Authorization": f"Bearer {key}", "X-Request-Id": "has space"}
-    route = fleet.router.route("POST", "/v1/chat/completions", {k.lower(): v for k, v in headers.items()},
-                               json.dumps(BODY).encode())  # fmt: skip
+    route = _route(fleet, headers)
     assert route.client_id is None and route.tenant_id is None and route.request_id.startswith("chatcmpl-")
     status, _, body = fleet.send(0, route, headers, BODY)
     assert status == 400 and body["error"]["code"] == "invalid_request_id", body
     assert body["error"]["param"] == "X-Request-Id"
+
+
+def test_without_a_client_id_rays_own_is_not_taken_for_one(fleet: Fleet) -> None:
+    _, key = _tenant(fleet)
+    route = _route(fleet, {"Authorization": f"Bearer {key}"})
+    assert route.client_id is None and route.request_id != "chatcmpl-ray-assigned-uuid"
 
 
 def test_in_flight_ids_are_per_tenant() -> None:

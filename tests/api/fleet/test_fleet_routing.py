@@ -179,7 +179,7 @@ def test_a_response_through_rays_proxy_carries_one_request_id() -> None:
     import httpx
     from ray.serve._private.http_util import RequestIdMiddleware  # what Ray's proxy wraps apps in
 
-    from api.fleet.proxy_headers import CALLBACK, OneRequestId, proxy_env
+    from api.fleet.proxy_headers import CALLBACK, CLIENT_REQUEST_ID, OneRequestId, proxy_env
 
     def app(headers: dict[str, str]) -> Starlette:
         async def ok(_: Request) -> JSONResponse:
@@ -195,5 +195,21 @@ def test_a_response_through_rays_proxy_carries_one_request_id() -> None:
     assert asyncio.run(ids(RequestIdMiddleware(app(ours))))[0] == "cmpl-ours"  # and Ray's after it
     assert len(asyncio.run(ids(RequestIdMiddleware(app(ours))))) == 2
     assert asyncio.run(ids(OneRequestId(RequestIdMiddleware(app(ours))))) == ["cmpl-ours"]
+    # The client's own X-Request-Id reaches the app as CLIENT_REQUEST_ID; Ray's UUID never does.
+    seen: list[dict[str, str]] = []
+
+    async def record(scope: object, receive: object, send: object) -> None:
+        seen.append({k.decode(): v.decode() for k, v in scope["headers"]})  # type: ignore[index]
+        await app({})(scope, receive, send)  # type: ignore[arg-type]
+
+    async def send_ids(headers: dict[str, str]) -> None:
+        transport = httpx.ASGITransport(OneRequestId(RequestIdMiddleware(record)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            await client.get("/", headers=headers)
+
+    asyncio.run(send_ids({"X-Request-Id": "mine", CLIENT_REQUEST_ID: "forged"}))
+    asyncio.run(send_ids({CLIENT_REQUEST_ID: "forged"}))
+    assert seen[0][CLIENT_REQUEST_ID] == "mine" and CLIENT_REQUEST_ID not in seen[1]
+    assert seen[1]["x-request-id"]  # Ray's own, which the router ignores
     assert len(asyncio.run(ids(OneRequestId(RequestIdMiddleware(app({})))))) == 1  # Ray's own stays
     assert proxy_env() == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": CALLBACK}

@@ -355,9 +355,10 @@ def test_a_clients_request_id_is_the_fleets_own(fleet: Fleet) -> None:
     with httpx.Client(base_url=fleet.base_url, headers=headers, timeout=120) as client:
         with client.stream("POST", "/v1/completions", json=body) as stream:
             assert stream.status_code == 200
-            next(line for line in stream.iter_lines() if line.startswith("data: "))  # running
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # running
             second = post(busy)
-            assert [line for line in stream.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
+            assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
     assert second.status_code == 409 and second.json()["error"]["code"] == "request_id_in_use", second.text
     want = sorted([f"cmpl-{rid}", f"cmpl-{busy}"])
     assert wait_for(lambda: sorted(fleet.usage_ids(tenant_id)) == want, 30, what="usage")
