@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     default_tpm: int | None = Field(None, ge=0)
     default_max_concurrent: int | None = Field(None, ge=0)
     usage_flush_interval_s: float = Field(1.0, gt=0)  # usage records are written in batches this often
+    # Responses API `store: true` (api/inference/stored_responses.py): kept this long, then refused
+    # (404 naming it) and purged. OpenAI keeps 30 days.
+    response_retention_s: float = Field(30 * 86400.0, gt=0)
     # Unauthenticated /metrics carries no tenant identifiers unless opted in here; a scrape with
     # `Authorization: Bearer <metrics_token>` (or the admin key) gets the per-tenant series anyway.
     metrics_tenant_labels: bool = False
