@@ -102,6 +102,7 @@ class LLMEngine:
             max_lora_rank=self.config.max_lora_rank,
             max_cpu_loras=self.config.max_cpu_loras,
             max_replacement_bytes=self.config.max_replacement_bytes,
+            max_cpu_lora_bytes=self.config.max_cpu_lora_bytes,
             max_wait_s=self.config.max_wait_s,
             dtype=self.dtype,
             device=self.device,

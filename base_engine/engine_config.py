@@ -49,6 +49,8 @@ class EngineConfig:
     max_cpu_loras: int = 16
     # Per adapter: bytes of its modules_to_save matrices (lm_head / embed_tokens) in the serving dtype.
     max_replacement_bytes: int = 2 << 30
+    # Host tier bytes (adapters/host_tier.py); None = max_cpu_loras plain adapters + one adapter's copies.
+    max_cpu_lora_bytes: int | None = None
     lora_memory_fraction: float = 0.1
     # A waiting request older than this is admitted before younger ones whatever its adapter or tenant.
     max_wait_s: float = 5.0
