@@ -1,7 +1,8 @@
 """Bounded two-tier adapter cache: device slots (what the kernels read) over a host-memory tier.
 
-Tiers: device slots (`max_loras`, fixed tensors, see slots.py) <- host tier (`max_cpu_loras` parsed
-adapters) <- `fetch(ref) -> local dir` (the registry's disk tier in the server, the path offline).
+Tiers: device slots (`max_loras`, fixed tensors, see slots.py) <- host tier (at most `max_cpu_loras`
+parsed adapters and `max_cpu_bytes` of them, modules_to_save copies counted; host_tier.py) <-
+`fetch(ref) -> local dir` (the registry's disk tier in the server, the path offline).
 Loading (fetch, parse, validate, convert) runs in the background (loader.py: small pools, deadlines,
 retries with backoff); the engine thread only copies a host-tier adapter into a free slot. The cache
 owns the slot tensors and the pins and decides which slots may be evicted (no in-flight request
@@ -24,6 +25,7 @@ from adapters.dora import with_dora_scales
 from adapters.embedding import without_embedding_copy, without_head_copy
 from adapters.eviction import EvictionPolicy, LruEviction
 from adapters.format import LoraAdapter, LoraPair, load_adapter
+from adapters.host_tier import check_tier_budgets, default_cpu_lora_bytes
 from adapters.loader import AdapterLoader, Fetch, PendingLoad
 from adapters.replacements import DEFAULT_MAX_REPLACEMENT_BYTES
 from adapters.slots import SlotPool
@@ -70,6 +72,7 @@ class AdapterCache:
         eviction: EvictionPolicy | None = None,
         base_weights: BaseWeights | None = None,
         max_replacement_bytes: int | None = DEFAULT_MAX_REPLACEMENT_BYTES,
+        max_cpu_bytes: int | None = None,
     ) -> None:
         self.base = base
         self.max_replacement_bytes = max_replacement_bytes  # per adapter, its modules_to_save matrices
@@ -77,6 +80,12 @@ class AdapterCache:
         self.fetch = fetch
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
+        if max_cpu_bytes is None:
+            max_cpu_bytes = default_cpu_lora_bytes(
+                base, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank, dtype=dtype,
+                max_replacement_bytes=max_replacement_bytes,
+            )  # fmt: skip
+        self.max_cpu_bytes = max_cpu_bytes  # host tier bytes (adapter_bytes summed)
         self.dtype = dtype
         self.device = device
         self.pool = SlotPool(base, num_slots=max_loras, max_rank=max_lora_rank, dtype=dtype, device=device)
@@ -96,6 +105,7 @@ class AdapterCache:
             max_replacement_bytes=self.max_replacement_bytes,
         )  # fmt: skip
         adapter = without_head_copy(without_embedding_copy(adapter, self.base_weights), self.base_weights)
+        check_tier_budgets(adapter, 0, host_bytes=self.max_cpu_bytes, disk_bytes=None)
         return with_dora_scales(adapter, self.base_weights)
 
     @property
@@ -157,13 +167,16 @@ class AdapterCache:
         """Stop the loader's threads (loads in flight are cancelled); the cache loads nothing after."""
         self.loader.shutdown()
 
+    def _host_over(self) -> bool:
+        return len(self.host) > self.max_cpu_loras or sum(self.host_bytes.values()) > self.max_cpu_bytes
+
     def _trim_host(self, keep: str | None = None) -> None:
-        """Evict host copies LRU down to max_cpu_loras. Adapters in a device slot stay (they are its
-        source) and `keep`, the adapter that just landed, stays: a waiting request wants it. When only
-        slot holders are left, an idle slot (no request, not pinned) gives way, LRU; otherwise, with every
-        slot holding an idle adapter and max_cpu_loras == max_loras, a new adapter was dropped as soon as
-        it landed and reloaded forever while its request waited."""
-        while len(self.host) > self.max_cpu_loras:
+        """Evict host copies LRU down to max_cpu_loras and max_cpu_bytes. Adapters in a device slot
+        stay (they are its source) and `keep`, the adapter that just landed, stays: a waiting request
+        wants it. When only slot holders are left, an idle slot (no request, not pinned) gives way, LRU;
+        otherwise, with every slot holding an idle adapter and max_cpu_loras == max_loras, a new adapter
+        was dropped as soon as it landed and reloaded forever while its request waited."""
+        while self._host_over():
             victim = next(
                 (r for r in self.host if r not in self.slot_of and r not in self.pinned and r != keep), None
             )

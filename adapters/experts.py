@@ -26,21 +26,6 @@ _EXPERT_TENSOR = re.compile(
 )
 
 
-_PER_EXPERT_TENSOR = re.compile(r".*\.(?:mlp|block_sparse_moe)\.experts\.\d+\.\w+\.lora_[AB].*")
-
-
-def refuse_per_expert_layout(tensors: dict[str, torch.Tensor]) -> None:
-    """An adapter saved on transformers 4 (one nn.Linear per expert) names tensors per expert."""
-    found = next((name for name in tensors if _PER_EXPERT_TENSOR.fullmatch(name)), None)
-    if found is not None:
-        raise AdapterFormatError(
-            f"tensor {found!r} is LoRA on one expert's module, the layout of adapters saved on "
-            "transformers 4: "
-            "not served; expected the fused expert tensors (re-save the adapter with PEFT on transformers 5: "
-            "PeftModel.from_pretrained converts it, save_pretrained writes target_parameters)"
-        )
-
-
 def take_expert_tensors(
     tensors: dict[str, torch.Tensor], targets: dict[str, tuple[int, str]]
 ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:

@@ -31,7 +31,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from adapters.experts import expert_pairs, refuse_per_expert_layout, take_expert_tensors
+from adapters.expert_layouts import FUSED, expert_layout, is_per_expert
+from adapters.experts import expert_pairs, take_expert_tensors
+from adapters.experts_v4 import ExpertFactors, fuse_per_expert
 from adapters.factors import (
     check_delta_bound,
     check_embedding_bound,
@@ -128,31 +130,27 @@ def parse_adapter(
     use_dora = bool(check_type(files.config, "use_dora", (bool, type(None)), False))
     spec = parse_spec(files.config)
     params = resolve_parameters(files.config, base)
-    targets = resolve_targets(files.config, base, allow_empty=bool(params))
+    tensors = _tensors(files)
+    layout = expert_layout(tensors) if base.moe is not None else FUSED
+    targets = resolve_targets(files.config, base, allow_empty=bool(params), layout=layout)
     expert_targets, rank_keys = _add_parameter_targets(params, targets, use_dora)
     replaced = replaced_modules(files.config, base, targets)
-    check_header(files.weights_bytes)
-    try:
-        if isinstance(files.weights_bytes, mmap.mmap):
-            tensors = mapped_tensors(files.weights_bytes)
-        else:
-            tensors = load_safetensors(files.weights_bytes)
-    except (SafetensorError, ValueError, RuntimeError) as exc:
-        raise AdapterFormatError(f"{WEIGHTS_NAME} could not be parsed: {exc}") from exc
     check_weight_tying(files.config, tensors)
     replacements = take_replacements(tensors, replaced, base, dtype, max_replacement_bytes)
-    if base.moe is not None:
-        refuse_per_expert_layout(tensors)
     experts = _experts(take_expert_tensors(tensors, expert_targets), expert_targets, spec, base, dtype,
                        max_lora_rank)  # fmt: skip
     by_module = split_tensors(tensors, targets, base, spec.has_velora, dora=use_dora)
     weights: dict[tuple[int, str], LoraPair] = {}
     embedding = embedding_copy = lm_head = lm_head_copy = None
+    per_expert: dict[tuple[int, str], ExpertFactors] = {}
     for key, (layer, module) in targets.items():
         r, scale = spec.rank_and_scale(rank_keys.get(key, key))
         if max_lora_rank is not None and r > max_lora_rank:
             raise AdapterValidationError(f"{key} has rank {r}, above max_lora_rank={max_lora_rank}")
         factors = by_module.get(key, {})
+        if is_per_expert(module):
+            per_expert[(layer, module)] = (key, factors, r, scale)
+            continue
         if (layer, module) == EMBEDDING_TARGET:
             embedding = _embedding_pair(key, factors, r, scale, base, dtype, use_dora)
             embedding_copy = checked_embedding_copy(key, factors, base)
@@ -166,6 +164,7 @@ def parse_adapter(
         magnitude = checked_magnitude(key, module, factors, base, layer) if use_dora else None
         pair = LoraPair(a=a, b=b, scale=scale, magnitude=magnitude)
         weights.update(_split_fused(layer, module, pair, base))
+    experts |= _fused_per_expert(per_expert, experts, base, dtype, max_lora_rank, use_dora)
     ranks: dict[str, int] = {}
     for (_, module), pair in weights.items():
         ranks[module] = max(ranks.get(module, 0), pair.a.shape[0])
@@ -179,6 +178,46 @@ def parse_adapter(
         embedding_copy=embedding_copy, lm_head=lm_head, lm_head_copy=lm_head_copy, replacements=replacements,
         experts=experts,
     )  # fmt: skip
+
+
+def _tensors(files: AdapterFiles) -> dict[str, torch.Tensor]:
+    check_header(files.weights_bytes)
+    try:
+        if isinstance(files.weights_bytes, mmap.mmap):
+            return mapped_tensors(files.weights_bytes)
+        return load_safetensors(files.weights_bytes)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise AdapterFormatError(f"{WEIGHTS_NAME} could not be parsed: {exc}") from exc
+
+
+def _fused_per_expert(
+    found: dict[tuple[int, str], ExpertFactors], experts: dict[tuple[int, str], LoraPair],
+    base: BaseModelShapes, dtype: torch.dtype, max_lora_rank: int | None, use_dora: bool,
+) -> dict[tuple[int, str], LoraPair]:  # fmt: skip
+    """The transformers-4 per-expert pairs (adapters/experts_v4.py) on the fused expert tensors."""
+    if not found:
+        return {}
+    if use_dora:
+        raise AdapterFormatError(
+            "use_dora on the per-expert modules of an adapter saved on transformers 4: DoRA on experts is "
+            "not served (transformers 5 fuses them; PEFT's ParamWrapper has no DoRA); expected use_dora "
+            "only on attention or dense MLP projections"
+        )
+    fused = fuse_per_expert(found, base, dtype)
+    out = {}
+    for (layer, module), (a, b, scale) in fused.items():
+        if (layer, module) in experts:
+            raise AdapterFormatError(
+                f"layer {layer}'s {module} has LoRA both per expert and through target_parameters; "
+                "expected one of them"
+            )
+        if max_lora_rank is not None and a.shape[1] > max_lora_rank:
+            raise AdapterValidationError(
+                f"layer {layer}'s {module}: the fused rank is {a.shape[1]} (gate and up ranks add up, as "
+                f"PEFT fuses them), above max_lora_rank={max_lora_rank}"
+            )
+        out[(layer, module)] = LoraPair(a=a, b=b, scale=scale)
+    return out
 
 
 def _add_parameter_targets(

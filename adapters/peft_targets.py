@@ -12,6 +12,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapters.expert_layouts import (
+    FUSED,
+    PER_EXPERT,
+    per_expert_linear_keys,
+    per_expert_module_keys,
+    per_expert_target,
+)
 from adapters.peft_fields import check_pattern_budget
 from adapters.safe_regex import LinearPattern, PatternCache
 from adapters.types import FUSED_MODEL_TYPES, FUSED_PROJECTIONS, AdapterFormatError, BaseModelShapes
@@ -37,9 +44,9 @@ QK_NORM_MODEL_TYPES: tuple[str, ...] = ("qwen3", "gemma3_text", "qwen3_moe")
 GEMMA_MODEL_TYPES: tuple[str, ...] = ("gemma2", "gemma3_text")
 
 
-def module_keys(base: BaseModelShapes) -> list[str]:
+def module_keys(base: BaseModelShapes, layout: str = FUSED) -> list[str]:
     """Every `named_modules()` key of transformers' *ForCausalLM for the served families
-    (the order within a layer aside)."""
+    (the order within a layer aside); `layout` PER_EXPERT: MoE layers as transformers 4 built them."""
     fused = base.model_type in FUSED_MODEL_TYPES
     keys = ["", "model", "model.embed_tokens", "model.layers"]
     for i in range(base.num_layers):
@@ -55,7 +62,7 @@ def module_keys(base: BaseModelShapes) -> list[str]:
         if base.model_type in QK_NORM_MODEL_TYPES:
             keys += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
         dense = [f"{layer}.mlp.{m}" for m in mlp]
-        keys += [f"{layer}.mlp"] + (_moe_keys(base, i) if base.is_sparse(i) else dense)
+        keys += [f"{layer}.mlp"] + (_moe_keys(base, i, layout) if base.is_sparse(i) else dense)
         keys += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"]
         if base.model_type in GEMMA_MODEL_TYPES:
             keys += [f"{layer}.pre_feedforward_layernorm", f"{layer}.post_feedforward_layernorm"]
@@ -64,11 +71,14 @@ def module_keys(base: BaseModelShapes) -> list[str]:
     return keys + ["model.norm", "model.rotary_emb", "lm_head"]
 
 
-def _moe_keys(base: BaseModelShapes, layer: int) -> list[str]:
+def _moe_keys(base: BaseModelShapes, layer: int, layout: str) -> list[str]:
     """An MoE layer's MLP modules (transformers 5: the router `gate` and the fused `experts` hold no
     nn.Linear; Qwen2-MoE's shared expert is a SwiGLU MLP and its gate an nn.Linear)."""
     mlp = f"model.layers.{layer}.mlp"
-    keys = [f"{mlp}.gate", f"{mlp}.experts", f"{mlp}.experts.act_fn"]
+    if layout == PER_EXPERT:
+        keys = per_expert_module_keys(base, layer)
+    else:
+        keys = [f"{mlp}.gate", f"{mlp}.experts", f"{mlp}.experts.act_fn"]
     if base.moe_shared_size is not None:
         shared = f"{mlp}.shared_expert"
         keys += [shared] + [f"{shared}.{m}" for m in ("gate_proj", "up_proj", "down_proj", "act_fn")]
@@ -94,13 +104,15 @@ def _moe_hint(base: BaseModelShapes, name: str) -> str:
     )
 
 
-def linear_keys(base: BaseModelShapes) -> list[str]:
+def linear_keys(base: BaseModelShapes, layout: str = FUSED) -> list[str]:
     """What PEFT's "all-linear" expands to: every nn.Linear but the LM head."""
     keys = []
     for i in range(base.num_layers):
         for m in base.projections:
             if _PARENT[m] == "self_attn" or not base.is_sparse(i):
                 keys.append(projection_key(i, m))
+        if base.is_sparse(i) and layout == PER_EXPERT:
+            keys += per_expert_linear_keys(base, i)
         if base.is_sparse(i) and base.moe_shared_size is not None:
             shared = f"model.layers.{i}.mlp.shared_expert"
             keys += [f"{shared}.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
@@ -202,7 +214,7 @@ class _Targets:
         return _layer_index(key, self.layers_pattern, self.patterns) in self.layer_indexes
 
 
-def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes, allow_empty: bool) -> _Targets:
+def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes, allow_empty: bool, layout: str) -> _Targets:
     check_pattern_budget(cfg)
     modules = _str_or_list(cfg, "target_modules")
     exclude = _str_or_list(cfg, "exclude_modules")
@@ -232,7 +244,7 @@ def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes, allow_empty: bool
         modules = list(DEFAULT_TARGET_MODULES)
     if isinstance(modules, list):
         # PEFT silently drops a list entry that names no module; for us that is an unmapped weight set.
-        keys = module_keys(base)
+        keys = module_keys(base, layout)
         for name in modules:
             if not any(key == name or key.endswith(f".{name}") for key in keys):
                 raise AdapterFormatError(
@@ -242,25 +254,31 @@ def _parse_targets(cfg: dict[str, Any], base: BaseModelShapes, allow_empty: bool
                 )
     if isinstance(modules, str) and modules.lower() == "all-linear":
         # PEFT expands this to every nn.Linear but the output embedding: exactly the projections.
-        modules = linear_keys(base)
+        modules = linear_keys(base, layout)
     return _Targets(
         modules if isinstance(modules, str) else set(modules), exclude, layer_indexes, layers_pattern, cache
     )
 
 
 def resolve_targets(
-    cfg: dict[str, Any], base: BaseModelShapes, allow_empty: bool = False
+    cfg: dict[str, Any], base: BaseModelShapes, allow_empty: bool = False, layout: str = FUSED
 ) -> dict[str, tuple[int, str]]:
     """Module key -> (layer, projection) for every module PEFT would wrap with LoRA on this base model;
     the input embedding maps to `EMBEDDING_TARGET`, the LM head to `LM_HEAD_TARGET`. `allow_empty`: no
-    module may be targeted (target_parameters names what the adapter wraps)."""
-    targets = _parse_targets(cfg, base, allow_empty)
+    module may be targeted (target_parameters names what the adapter wraps). `layout` PER_EXPERT (an
+    adapter saved on transformers 4, adapters/experts_v4.py): an expert's module maps to
+    "experts.N.<part>", the router (an nn.Linear then) to "router"."""
+    targets = _parse_targets(cfg, base, allow_empty, layout)
     resolved: dict[str, tuple[int, str]] = {}
-    for key in module_keys(base):
+    for key in module_keys(base, layout):
         if not targets.matches(key):
             continue
         if key in (EMBEDDING_KEY, LM_HEAD_KEY):
             resolved[key] = EMBEDDING_TARGET if key == EMBEDDING_KEY else LM_HEAD_TARGET
+            continue
+        expert = per_expert_target(key) if layout == PER_EXPERT else None
+        if expert is not None:
+            resolved[key] = expert
             continue
         found = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp|mlp\.shared_expert)\.(\w+)", key)
         if found is not None and found.group(2) == "shared_expert_gate" and base.moe_shared_size is not None:

@@ -36,6 +36,11 @@ _NORM = re.compile(
 DEFAULT_MAX_REPLACEMENT_BYTES = 2 << 30
 
 
+def replaceable_norm(key: str) -> bool:
+    """Whether module `key` is a norm a modules_to_save copy may replace."""
+    return _NORM.fullmatch(key) is not None
+
+
 def replaced_modules(cfg: dict[str, Any], base: BaseModelShapes, targets: dict[str, Any]) -> list[str]:
     """Module keys `modules_to_save` selects (PEFT's suffix match); refuses anything but lm_head and
     embed_tokens, and a module that is also a LoRA target."""
@@ -45,7 +50,7 @@ def replaced_modules(cfg: dict[str, Any], base: BaseModelShapes, targets: dict[s
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
         raise AdapterFormatError(f"modules_to_save={entries!r}, expected a list of module names")
     keys = [k for k in module_keys(base) if k and any(k.endswith(e) for e in entries)]
-    other = [k for k in keys if k not in REPLACEABLE and not _NORM.fullmatch(k)]
+    other = [k for k in keys if k not in REPLACEABLE and not replaceable_norm(k)]
     if other:
         raise AdapterFormatError(
             f"modules_to_save={entries!r} selects {other[:4]}: a trained copy of that module is not served "
@@ -80,9 +85,9 @@ def take_replacements(
     """Pop each selected module's copy out of `tensors`, checked: name, [vocab, hidden], finite, budget.
     Returns short name -> matrix as `dtype`."""
     element = torch.empty((), dtype=dtype).element_size()
-    needed = sum(_numel(_shape(k, base)) for k in keys) * element
+    needed = sum(_numel(replacement_shape(k, base)) for k in keys) * element
     if max_bytes is not None and needed > max_bytes:
-        shapes = ", ".join(f"{REPLACEABLE.get(k, k)} {list(_shape(k, base))}" for k in keys)
+        shapes = ", ".join(f"{REPLACEABLE.get(k, k)} {list(replacement_shape(k, base))}" for k in keys)
         raise AdapterValidationError(
             f"modules_to_save replacements need {needed} bytes ({shapes} as {dtype}), above the budget of "
             f"{max_bytes} bytes per adapter; raise max_replacement_bytes (LORASERVE_MAX_REPLACEMENT_BYTES) "
@@ -97,7 +102,7 @@ def take_replacements(
                 f"modules_to_save selects {key!r} but tensor {name} is missing (PEFT saves the trained copy "
                 "under the module's own name)"
             )
-        shape, expected = tuple(tensor.shape), _shape(key, base)
+        shape, expected = tuple(tensor.shape), replacement_shape(key, base)
         if key not in REPLACEABLE:
             if shape != expected:
                 raise AdapterFormatError(
@@ -119,7 +124,8 @@ def take_replacements(
     return out
 
 
-def _shape(key: str, base: BaseModelShapes) -> tuple[int, ...]:
+def replacement_shape(key: str, base: BaseModelShapes) -> tuple[int, ...]:
+    """The copy's shape: [vocab, hidden] for lm_head / embed_tokens, the norm's weight otherwise."""
     if key in REPLACEABLE:
         return (base.vocab_size, base.hidden_size)
     return (base.head_dim,) if key.endswith(("q_norm", "k_norm")) else (base.hidden_size,)

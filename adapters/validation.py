@@ -19,6 +19,7 @@ from adapters.composition import check_composition
 from adapters.coverage import coverage_report
 from adapters.files import read_adapter_files
 from adapters.format import parse_adapter
+from adapters.host_tier import check_tier_budgets
 from adapters.replacements import DEFAULT_MAX_REPLACEMENT_BYTES
 from adapters.types import AdapterSummary, AdapterValidationError, BaseModelShapes
 
@@ -36,13 +37,16 @@ def validate_adapter(
     dtype: torch.dtype = torch.float32,
     weight_norms: Mapping[tuple[int, str], float] | None = None,
     max_replacement_bytes: int | None = DEFAULT_MAX_REPLACEMENT_BYTES,
+    host_tier_bytes: int | None = None,
+    disk_tier_bytes: int | None = None,
 ) -> AdapterSummary:
     """Check an adapter directory on CPU; raises AdapterFormatError (or a subclass) naming the cause.
 
     `dtype` is the dtype the engine will serve the factors in: values must stay finite after the cast.
     `weight_norms` (||W||_F per (layer, module) of the served model) give the coverage report's relative
     deltas; an adapter that changes nothing is refused (adapters/coverage.py). `max_replacement_bytes`
-    bounds its modules_to_save matrices in `dtype` (adapters/replacements.py).
+    bounds its modules_to_save matrices in `dtype` (adapters/replacements.py); an adapter whose copies
+    exceed `host_tier_bytes`, or whose file exceeds `disk_tier_bytes`, is refused (adapters/host_tier.py).
     """
     if dtype not in _SERVING_DTYPES:
         raise AdapterValidationError(
@@ -58,6 +62,9 @@ def validate_adapter(
             max_replacement_bytes=max_replacement_bytes,
         )  # fmt: skip
         check_composition(adapter.weights, base, dtype)
+        check_tier_budgets(
+            adapter, len(files.weights_bytes), host_bytes=host_tier_bytes, disk_bytes=disk_tier_bytes
+        )
         summary = AdapterSummary(
             ranks=dict(adapter.rank_by_module),
             modules=adapter.modules,

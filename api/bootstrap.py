@@ -29,6 +29,7 @@ from api.inference.limits import RequestLimits
 from api.inference.provenance import server_provenance
 from api.inference.sampling import SeedSource
 from api.inference.services import Inference
+from api.inference.stored_responses import StoredResponses
 from api.inference.tool_parser import TOOL_FORMATS
 from api.metering.request_meter import open_meter
 from api.metrics.prometheus import Metrics
@@ -271,6 +272,7 @@ def _inference(
         plan_gate=PlanGate(settings.max_concurrent_plans_per_tenant),
         adapter_fetch=adapter_fetch,
         tool_call_parser=settings.tool_call_parser,
+        stored_responses=StoredResponses(sessions, retention_s=settings.response_retention_s),
     )
 
 

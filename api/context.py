@@ -25,17 +25,26 @@ RequestKind = Literal["completion", "chat"]
 ID_PREFIX: dict[RequestKind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
 
 
-# Set only by a fleet replica (api/fleet/replica.py) to the id its ingress chose, never from a client
-# header: a retry on another replica keeps its id, so usage ON CONFLICT (request_id) bills it once.
-assigned_request_id: ContextVar[str | None] = ContextVar("assigned_request_id", default=None)
+@dataclass(frozen=True, slots=True)
+class AssignedId:
+    """The request id a fleet ingress chose (api/fleet/routing.py): `<prefix>-<client's X-Request-Id>`
+    when the client sent a well-formed one, else random."""
+
+    request_id: str
+    is_retry: bool = False  # sent again: the replica tried first went away before answering
+
+
+# Set only by a fleet replica (api/fleet/replica.py) to what its ingress chose, never from a client
+# header: a retry on another replica keeps its id, so usage ON CONFLICT (tenant, id) bills it once.
+assigned_request_id: ContextVar[AssignedId | None] = ContextVar("assigned_request_id", default=None)
 
 
 def new_request_id(kind: RequestKind, client_id: str | None = None) -> str:
     """The fleet ingress's id, else `<prefix>-<client's X-Request-Id>` (api/inference/client_id.py),
     else `<prefix>-<32 random hex digits>`."""
     assigned = assigned_request_id.get()
-    if assigned is not None and assigned.startswith(f"{ID_PREFIX[kind]}-"):
-        return assigned
+    if assigned is not None and assigned.request_id.startswith(f"{ID_PREFIX[kind]}-"):
+        return assigned.request_id
     return f"{ID_PREFIX[kind]}-{client_id or secrets.token_hex(16)}"
 
 

@@ -61,6 +61,8 @@ class Settings(BaseSettings):
     max_cpu_loras: int = Field(16, ge=1)
     # Per adapter: bytes of its modules_to_save matrices (lm_head / embed_tokens) in the serving dtype.
     max_replacement_bytes: int = Field(2 << 30, ge=0)
+    # Host tier bytes (adapters/host_tier.py); None = max_cpu_loras plain adapters + one adapter's copies.
+    max_cpu_lora_bytes: int | None = Field(None, ge=1)
     max_lora_rank: int = Field(64, ge=1)
     seed: int = 0
 
@@ -109,6 +111,9 @@ class Settings(BaseSettings):
     default_tpm: int | None = Field(None, ge=0)
     default_max_concurrent: int | None = Field(None, ge=0)
     usage_flush_interval_s: float = Field(1.0, gt=0)  # usage records are written in batches this often
+    # Responses API `store: true` (api/inference/stored_responses.py): kept this long, then refused
+    # (404 naming it) and purged. OpenAI keeps 30 days.
+    response_retention_s: float = Field(30 * 86400.0, gt=0)
     # Unauthenticated /metrics carries no tenant identifiers unless opted in here; a scrape with
     # `Authorization: Bearer <metrics_token>` (or the admin key) gets the per-tenant series anyway.
     metrics_tenant_labels: bool = False
@@ -211,6 +216,7 @@ class Settings(BaseSettings):
             max_loras=self.max_loras,
             max_cpu_loras=self.max_cpu_loras,
             max_replacement_bytes=self.max_replacement_bytes,
+            max_cpu_lora_bytes=self.max_cpu_lora_bytes,
             max_lora_rank=self.max_lora_rank,
             deterministic=self.deterministic,  # the engine refuses to start where it cannot keep it
             quantization=self.quantization,

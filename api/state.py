@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
+from adapters.host_tier import default_cpu_lora_bytes
 from adapters.types import AdapterSummary, BaseModelShapes
 from adapters.validation import validate_adapter
 from api.demo.tenant import DemoInfo
@@ -142,13 +143,22 @@ class AppState:
         return tenant_cache_salt(self.server_secret, tenant_id)
 
     def validator(self) -> Callable[[Path], AdapterSummary]:
-        """`validate_adapter` bound to the served base model and this server's limits."""
+        """`validate_adapter` bound to the served base model and this server's limits (the host and disk
+        tiers' bytes among them: an adapter no tier could hold is refused at upload)."""
+        dtype = self.engine.dtype if self.settings.dtype == "auto" else DTYPES[self.settings.dtype]
+        host_bytes = self.settings.max_cpu_lora_bytes or default_cpu_lora_bytes(
+            self.base_shapes, max_cpu_loras=self.settings.max_cpu_loras,
+            max_lora_rank=self.settings.max_lora_rank, dtype=self.engine.dtype,
+            max_replacement_bytes=self.settings.max_replacement_bytes,
+        )  # fmt: skip
         return functools.partial(
             validate_adapter,
             base=self.base_shapes,
             max_lora_rank=self.settings.max_lora_rank,
             max_size_bytes=self.upload_limits.weights_bytes,
-            dtype=self.engine.dtype if self.settings.dtype == "auto" else DTYPES[self.settings.dtype],
+            dtype=dtype,
             weight_norms=self.engine.base_weight_norms,
             max_replacement_bytes=self.settings.max_replacement_bytes,
+            host_tier_bytes=host_bytes,
+            disk_tier_bytes=self.settings.disk_cache_bytes,
         )

@@ -43,7 +43,7 @@ from base_engine.sampling_params import SamplingParams
 from base_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from base_engine.sequence import Sequence, SequenceStatus
 from base_engine.speculative.draft_model import DraftModelProposer, draft_dir
-from base_engine.speculative.probe import measure_off_batch
+from base_engine.speculative.probe import measure_costs
 from base_engine.speculative.rows import group_rows, sampling_rows
 from base_engine.speculative.speculator import Speculator, parse_speculative
 from base_engine.speculative.verify import accepted_tokens
@@ -102,6 +102,7 @@ class LLMEngine:
             max_lora_rank=self.config.max_lora_rank,
             max_cpu_loras=self.config.max_cpu_loras,
             max_replacement_bytes=self.config.max_replacement_bytes,
+            max_cpu_lora_bytes=self.config.max_cpu_lora_bytes,
             max_wait_s=self.config.max_wait_s,
             dtype=self.dtype,
             device=self.device,
@@ -136,7 +137,7 @@ class LLMEngine:
             )
         )
         if self.speculator is not None:
-            self.speculator.off_batch = self._speculation_off_batch()
+            self._speculation_costs(self.speculator)
         self.determinism = Determinism(
             model, self.device, self.dtype, always=self.config.deterministic, column_chunk=LOGITS_CHUNK
         )
@@ -162,12 +163,16 @@ class LLMEngine:
             return None
         return DraftModelProposer(path, self.model_config, self.tokenizer, device=self.device)
 
-    def _speculation_off_batch(self) -> int | None:
+    def _speculation_costs(self, speculator: Speculator) -> None:
+        """Measured at start: the verify cost table (cost-aware k) and its off batch; a configured
+        off batch instead: adaptive k alone, off from that batch (0: never)."""
         off = self.config.speculative_off_batch
         if off is None:
             k, max_seqs = self.config.num_speculative_tokens, self.config.max_num_seqs
-            return measure_off_batch(self.runner, k, max_seqs, self.max_model_len)
-        return None if off == 0 else off
+            speculator.costs = measure_costs(self.runner, k, max_seqs, self.max_model_len)
+            speculator.off_batch = speculator.costs.off_batch
+        else:
+            speculator.off_batch = None if off == 0 else off
 
     @cached_property
     def base_weight_norms(self) -> dict[tuple[int, str], float]:

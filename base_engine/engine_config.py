@@ -49,6 +49,8 @@ class EngineConfig:
     max_cpu_loras: int = 16
     # Per adapter: bytes of its modules_to_save matrices (lm_head / embed_tokens) in the serving dtype.
     max_replacement_bytes: int = 2 << 30
+    # Host tier bytes (adapters/host_tier.py); None = max_cpu_loras plain adapters + one adapter's copies.
+    max_cpu_lora_bytes: int | None = None
     lora_memory_fraction: float = 0.1
     # A waiting request older than this is admitted before younger ones whatever its adapter or tenant.
     max_wait_s: float = 5.0
@@ -66,7 +68,8 @@ class EngineConfig:
     # Speculative decoding (base_engine/speculative/): "ngram", "draft:<dir>" or None (off); drafts per step.
     speculative: str | None = None
     num_speculative_tokens: int = 4
-    # No drafts in a step with this many decodes: None = measured at start (speculative/probe.py), 0 = never.
+    # No drafts in a step with this many decodes: None = measured at start with the verify cost table that
+    # cost-aware k weighs (speculative/probe.py, cost.py); a number (0 = never) = adaptive k alone.
     speculative_off_batch: int | None = None
 
     def __post_init__(self) -> None:

@@ -262,6 +262,7 @@ def make_lora_manager(
     fetch: Fetch | None,
     base_weights: BaseWeights | None = None,
     max_replacement_bytes: int | None = None,
+    max_cpu_lora_bytes: int | None = None,
 ) -> LoraManager:
     """The adapter cache over the base model's shapes and its admission policy (given to the scheduler).
 
@@ -277,5 +278,6 @@ def make_lora_manager(
         device=device,
         base_weights=base_weights,
         max_replacement_bytes=max_replacement_bytes,
+        max_cpu_bytes=max_cpu_lora_bytes,
     )
     return LoraManager(cache, LoraAdmissionPolicy(cache, max_wait_s=max_wait_s))

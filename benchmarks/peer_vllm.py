@@ -19,6 +19,11 @@ compiled, so load from other work on a shared machine hits all of them alike, an
 best round. Prints one JSON line per model and suite: each side's tok/s (requested output tokens
 over wall time of `generate`) and ours over each vLLM variant.
 
+`--model bench-moe` is the throughput bench's Qwen3-MoE-shaped model (16 experts, top-4); its lora
+suite uses peft's adapters on q/k/v/o_proj and the expert tensors. A vLLM side that fails to load
+(refuses the model or the adapters, or crashes) is left out of the rounds and the line carries its
+error line as `vllm_<variant>_error`: that is the finding.
+
 `--background-load N` (benchmarks/background_load.py) measures a shared machine: our rounds run
 quiet first, then N busy processes are started, pinned to the cores the engines may use, for all
 sides' rounds, and stopped after them. The line then gives every side's tok/s under load, ours quiet
@@ -93,8 +98,12 @@ def vllm_worker(spec: dict, *, eager: bool) -> None:
         options |= dict(
             enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK, max_cpu_loras=NUM_ADAPTERS
         )
+    fused = spec.get("fused_moe_lora", False)  # peft's expert adapters: 3-D tensors on the experts
+    if lora and fused:
+        options["enable_mixed_moe_lora_format"] = True  # vLLM refuses them without it (and the flag below)
     llm = LLM(**options)
-    requests = [LoRARequest(f"a{i}", i + 1, d) for i, d in enumerate(spec.get("adapters") or [])]
+    dirs = spec.get("adapters") or []
+    requests = [LoRARequest(f"a{i}", i + 1, d, is_3d_lora_weight=fused) for i, d in enumerate(dirs)]
 
     def run(prompts: list[list[int]], lens: list[int], picks: list[int] | None) -> float:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -124,6 +133,17 @@ def serve(spec: dict, run) -> None:  # noqa: ANN001 - run(prompts, lens, picks) 
 # ---- driver ---------------------------------------------------------------------------------------
 
 
+class WorkerExited(RuntimeError):
+    """A worker process ended before answering; the message carries its log's last error line."""
+
+
+def last_error_line(log: Path) -> str:
+    """The last line of a worker's log that names an error (a traceback's final line), else its last line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error:" in line or "Killed" in line]
+    return (errors or lines or ["(empty log)"])[-1][:500]
+
+
 class Worker:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
         self.name = name
@@ -141,7 +161,7 @@ class Worker:
                 return json.loads(line[2:])
             self.log_file.write(line)
         self.log_file.flush()
-        raise RuntimeError(f"{self.name} worker exited ({self.proc.wait()}); log: {self.log}")
+        raise WorkerExited(f"{self.name} worker exited ({self.proc.wait()}): {last_error_line(self.log)}")
 
     def wait_ready(self) -> None:
         start = time.perf_counter()
@@ -169,7 +189,7 @@ class Worker:
 def make_spec(model: str, suite: str, tmp: Path, num_requests: int) -> dict:
     sys.path.insert(0, str(ROOT))
     from benchmarks.common import bench_model, make_workload, model_vocab
-    from benchmarks.lora_workload import make_lora_adapters, zipf_assign
+    from benchmarks.lora_workload import is_moe, make_lora_adapters, make_peft_moe_adapters, zipf_assign
 
     model_dir = bench_model(model, tmp)
     vocab = model_vocab(model_dir)
@@ -182,8 +202,11 @@ def make_spec(model: str, suite: str, tmp: Path, num_requests: int) -> dict:
         "warmup": {"prompts": warm.prompts, "output_lens": warm.output_lens},
     }
     if suite == "lora":
-        dirs = make_lora_adapters(model_dir, tmp / "adapters", num=NUM_ADAPTERS, rank=RANK)
+        # bench-moe: peft's adapters on q/k/v/o_proj and the expert tensors (benchmarks/lora_workload.py)
+        make = make_peft_moe_adapters if is_moe(model_dir) else make_lora_adapters
+        dirs = make(model_dir, tmp / f"adapters-{model}", num=NUM_ADAPTERS, rank=RANK)
         spec["adapters"] = [str(d) for d in dirs]
+        spec["fused_moe_lora"] = is_moe(model_dir)
         spec["picks"] = zipf_assign(len(wl.prompts), len(dirs), seed=0)
         spec["warmup"]["picks"] = list(range(4))
     return spec
@@ -203,14 +226,22 @@ def bench(model: str, suite: str, args: argparse.Namespace, tmp: Path) -> dict:
     if "compiled" in args.vllm:
         sides["vllm_compiled"] = [str(PEER_PYTHON), me, "--worker", "vllm", "--spec", str(spec_path)]
     workers: dict[str, Worker] = {}
+    refused: dict[str, str] = {}  # a vLLM side that failed to load: its error line (the finding)
     try:
         # Loaded one after the other (two loads at once would slow each other down).
         for name, cmd in sides.items():
             # Ours runs with the wait policy the `loraserve` entry point sets (api/cli/main.py), unless told.
             policy = {"OMP_WAIT_POLICY": env.get("OMP_WAIT_POLICY", "PASSIVE")} if name == "ours" else {}
-            side_env = {**env, **policy}
-            workers[name] = Worker(name, cmd, side_env, tmp / f"{name}-{model}-{suite}.log")
-            workers[name].wait_ready()
+            worker = Worker(name, cmd, {**env, **policy}, tmp / f"{name}-{model}-{suite}.log")
+            try:
+                worker.wait_ready()
+            except WorkerExited as exc:
+                if name == "ours":
+                    raise
+                worker.close()
+                refused[name] = str(exc)
+                continue
+            workers[name] = worker
         # Ours quiet first (only when a load follows: it is the loaded/quiet baseline).
         quiet = [workers["ours"].round() for _ in range(args.rounds if args.background_load else 0)]
         runs, loadavg = loaded_rounds(workers, args.rounds, args.background_load)
@@ -228,6 +259,8 @@ def bench(model: str, suite: str, args: argparse.Namespace, tmp: Path) -> dict:
         variant = name.removeprefix("vllm_")
         result[f"vllm_{variant}_tok_s"] = round(best[name], 2)
         result[f"ratio_vs_{variant}"] = round(best["ours"] / best[name], 3)
+    for name, error in refused.items():
+        result[f"{name}_error"] = error
     result["ours_threads"] = args.ours_threads or len(os.sched_getaffinity(0))
     result["background_load"] = args.background_load
     result["ours_omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
@@ -264,7 +297,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", action="append", choices=["bench-small", "smollm2"])
+    parser.add_argument("--model", action="append", choices=["bench-small", "bench-moe", "smollm2"])
     parser.add_argument("--suite", action="append", choices=["base", "lora"])
     parser.add_argument(
         "--vllm", action="append", choices=["eager", "compiled", "none"], help="none: ours only"

@@ -1,6 +1,6 @@
 """Speculative decoding: output tokens/s with vs without it, and acceptance per adapter, in the same run.
 
-    python benchmarks/speculative.py --model smollm2 --json
+    python benchmarks/speculative.py --model smollm2 --json [--workloads chat --batches 1 --methods ngram]
 
 Two workloads of chat-templated text prompts, greedy, half the requests through one random adapter
 (small weights: it bends the model without breaking it) and half on the base, at batch 1 (requests
@@ -126,8 +126,10 @@ def run(target: Path, adapter: Path, speculative: str, batch: int, ids, args) ->
 
 
 def measure(result: dict, key: str, target: Path, adapter: Path, methods: dict, ids, args) -> None:  # noqa: ANN001
-    for batch in (1, 4):
+    for batch in args.batches:
         for name, method in methods.items():
+            if name not in args.methods:
+                continue
             row = run(target, adapter, method, batch, ids, args)
             prefix = f"{key}_b{batch}_{name}"
             result[f"{prefix}_off_tok_s"], result[f"{prefix}_tok_s"] = row["off"], row["on"]
@@ -145,6 +147,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="off/on alternations [default: 2]")
     parser.add_argument("--threads", type=int, default=1, help="the engine's intra-op threads [default: 1]")
     parser.add_argument("--json", action="store_true")
+    workloads, methods = ["extraction", "chat"], ["ngram", "self", "tiny"]
+    parser.add_argument("--workloads", nargs="+", default=workloads, choices=workloads)
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4], help="[default: 1 4]")
+    parser.add_argument("--methods", nargs="+", default=methods, choices=methods, help="chat's methods")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # progress on stderr
     setup_threads()
@@ -159,9 +165,14 @@ def main() -> None:
     load = Path("/proc/loadavg").read_text().split()[:3]
     result: dict = {"bench": "speculative", "model": args.model, "k": args.k, "threads": threads,
                     "max_tokens": args.max_tokens, "loadavg_start": load}  # fmt: skip
-    measure(result, "extraction", target, adapter, {"ngram": "ngram"}, prompts(target, "extraction"), args)
-    drafters = {"ngram": "ngram", "self": f"draft:{target}", "tiny": f"draft:{tiny_drafter(target, root)}"}
-    measure(result, "chat", target, adapter, drafters, prompts(target, "chat"), args)
+    if "extraction" in args.workloads:
+        extraction = prompts(target, "extraction")
+        measure(result, "extraction", target, adapter, {"ngram": "ngram"}, extraction, args)
+    if "chat" in args.workloads:
+        drafters = {"ngram": "ngram", "self": f"draft:{target}"}
+        if "tiny" in args.methods:
+            drafters["tiny"] = f"draft:{tiny_drafter(target, root)}"
+        measure(result, "chat", target, adapter, drafters, prompts(target, "chat"), args)
     result["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
     shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(result))

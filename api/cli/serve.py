@@ -148,8 +148,9 @@ def serve(
     speculative_off_batch: Annotated[
         int | None,
         typer.Option(
-            help="no drafts in a step with this many decoding requests (0: never) "
-            "[default: measured at start]"
+            help="no drafts in a step with this many decoding requests (0: never), adaptive k "
+            "alone [default: measured at start, with the verify cost per batch and k that "
+            "cost-aware k weighs]"
         ),
     ] = None,
     fleet: Annotated[

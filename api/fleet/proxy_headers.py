@@ -7,6 +7,11 @@ records and logs, so this middleware, installed around Ray's through the proxy c
 (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, set by `proxy_env()`), keeps the first one the app
 sent and drops the one Ray appended after it. A response our app did not answer (Ray's own 404 or
 503) keeps Ray's id.
+
+Ray's middleware also gives every request without an `X-Request-Id` one of its own (a UUID), so behind
+it a client's id cannot be told from Ray's. This middleware, outside Ray's, passes the client's own on
+as `CLIENT_REQUEST_ID` (one a client sent under that name is dropped): what the ingress makes the
+request id of (api/fleet/routing.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 CALLBACK = "api.fleet.proxy_headers:middlewares"
 _REQUEST_ID = b"x-request-id"
+CLIENT_REQUEST_ID = "x-loraserve-client-request-id"  # the client's X-Request-Id, as it arrived
 
 
 def proxy_env() -> dict[str, str]:
@@ -52,7 +58,16 @@ class OneRequestId:
                 message = {**message, "headers": first_request_id_only(list(message.get("headers", [])))}
             await send(message)
 
-        await self.app(scope, receive, send_one_id)
+        await self.app({**scope, "headers": with_client_request_id(scope["headers"])}, receive, send_one_id)
+
+
+def with_client_request_id(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Request headers with the client's X-Request-Id copied as `CLIENT_REQUEST_ID` (before Ray's
+    middleware adds its own to a request without one)."""
+    name = CLIENT_REQUEST_ID.encode()
+    kept = [(k, v) for k, v in headers if k.lower() != name]
+    sent = [v for k, v in kept if k.lower() == _REQUEST_ID]
+    return kept + [(name, sent[0])] if sent else kept
 
 
 def middlewares() -> list[Any]:

@@ -11,26 +11,34 @@ and streams the replica's answer through. A replica that dies before its first b
 sent once more to another replica when that is safe (inference keeps its request id, so it is billed
 once; GETs), else a 503 with Retry-After. After the first byte a failure ends the stream (SSE: with an
 error event), since part of the answer already reached the client.
+
+A client's `X-Request-Id` is the request id through the fleet (api/fleet/routing.py); one its tenant
+has in flight through this ingress is a 409 here, one already billed the replica's 409; the retry is
+marked (`AssignedId.is_retry`) so the replica bills it under the same id without calling it in use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from api.errors import APIError
+from api.context import AssignedId
+from api.errors import APIError, request_id_in_use
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart
 from api.fleet.replica import LoraReplica
-from api.fleet.routing import AdapterRouter, Route
+from api.fleet.residency_router import residency_router_config
+from api.fleet.routing import AdapterRouter, InFlightIds, Route
 from api.http.body_limit import STREAMED_UPLOADS, read_body
 from api.settings import load_settings
 from api.tenant_adapters.uploads import upload_limits
@@ -55,6 +63,7 @@ class Ingress:
             session_factory(engine), base_model=settings.model_name, affinity=affinity
         )
         self.replica = replica
+        self.in_flight = InFlightIds()
         # The fleet's front door buffers bodies too: the same ceilings as a replica's
         # (api/http/body_limit.py).
         from api.bootstrap import resolve_model
@@ -80,14 +89,32 @@ class Ingress:
         http = HttpRequest(
             request.method, request.url.path, request.url.query.encode(), request.headers.raw, body, client
         )
-        return await self.forward(http, route)
+        held = route.tenant_id is not None and route.client_id is not None and route.request_id is not None
+        if held and not self.in_flight.take(route.tenant_id, route.request_id):
+            return request_id_in_use(route.client_id).response({"X-Request-Id": route.client_id})
+        try:
+            response = await self.forward(http, route)
+        except BaseException:
+            if held:
+                self.in_flight.give_back(route.tenant_id, route.request_id)
+            raise
+        if held:
+            give_back = functools.partial(self.in_flight.give_back, route.tenant_id, route.request_id)
+            if isinstance(response, StreamingResponse):  # free once the body is sent, or the client left
+                response.body_iterator = _then(response.body_iterator, give_back)
+                response.background = BackgroundTask(give_back)  # a body never started
+            else:
+                give_back()
+        return response
 
     async def forward(self, http: HttpRequest, route: Route) -> Response:
         attempts = 2 if route.is_idempotent else 1
         for attempt in range(1, attempts + 1):
+            is_retry = attempt > 1
+            assigned = None if route.request_id is None else AssignedId(route.request_id, is_retry)
             stream: DeploymentResponseGenerator = self.replica.options(
                 stream=True, multiplexed_model_id=route.model_id or ""
-            ).handle.remote(http, route.request_id)
+            ).handle.remote(http, assigned)
             try:
                 start = await stream.__anext__()
             except REPLICA_GONE as exc:
@@ -109,6 +136,14 @@ class Ingress:
             code="replica_unavailable",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         ).response()
+
+
+async def _then(body: AsyncIterator[Any], done: Callable[[], None]) -> AsyncIterator[Any]:
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        done()
 
 
 async def _rest(stream: DeploymentResponseGenerator, start: ResponseStart) -> AsyncIterator[bytes]:
@@ -137,7 +172,9 @@ def build_app(args: dict[str, Any]) -> Any:
     affinity = str(args.pop("affinity", "true")).lower() not in ("0", "false", "no")
     num_cpus = float(args.pop("replica_num_cpus", 1))
     settings = load_settings(**args)  # invalid args fail here, naming the field, before anything starts
+    routing = {"request_router_config": residency_router_config()} if affinity else {}
     replica = serve.deployment(LoraReplica).options(
+        **routing,  # affinity: the replicas' residency series; else Ray's power-of-two (the baseline)
         name="LoraReplica",
         num_replicas=num_replicas,
         max_ongoing_requests=settings.max_num_seqs,  # a full batch: more spills to another replica

@@ -3,7 +3,7 @@
 Each replica builds the same `AppState` and FastAPI app as `loraserve serve` (api/bootstrap.py,
 api/app.py) with `fleet=True` and `replica_id` = Ray's replica id, starts it (the app's lifespan: the
 engine thread, metering, the fleet agent of api/fleet/agent.py), and answers
-`handle(request, request_id)` by driving the app with the request (api/fleet/asgi_bridge.py),
+`handle(request, assigned)` by driving the app with the request (api/fleet/asgi_bridge.py),
 streaming `ResponseStart` and body chunks back to the ingress. The replica does all authentication,
 resolution, quotas and metering itself; the ingress only chose it.
 
@@ -25,8 +25,9 @@ from typing import Any
 
 from ray import serve
 
-from api.context import assigned_request_id
+from api.context import AssignedId, assigned_request_id
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart, stream_asgi
+from api.fleet.residency_signal import parse_residency
 from api.fleet.routing import parse_model_id
 from api.settings import Settings, load_settings
 from registry.adapters import resolve_adapter
@@ -65,6 +66,31 @@ def replica_settings(overrides: dict[str, Any], *, replica_id: str, rank: int) -
     )
 
 
+async def serve_assigned(
+    app: Any, request: HttpRequest, assigned: AssignedId | None, extra: list[tuple[bytes, bytes]]
+) -> AsyncIterator[ResponseStart | bytes]:
+    """`request` through the app with the ingress's id as the request's own; `extra` headers added."""
+    token = assigned_request_id.set(assigned)
+    try:
+        async for chunk in stream_asgi(app, request):
+            if isinstance(chunk, ResponseStart):
+                chunk = ResponseStart(chunk.status, [*chunk.headers, *extra])
+            yield chunk
+    finally:
+        with contextlib.suppress(ValueError):  # a generator may be finalized in another context
+            assigned_request_id.reset(token)
+
+
+async def scrape_residency(app: Any) -> dict[str, Any]:
+    """The app's own `GET /metrics`, its residency series parsed (api/fleet/residency_signal.py), as
+    a router outside Ray scrapes them; {} (no preference) when /metrics did not answer."""
+    chunks = [c async for c in stream_asgi(app, HttpRequest("GET", "/metrics"))]
+    start, body = chunks[0], b"".join(c for c in chunks[1:] if isinstance(c, bytes))
+    if not isinstance(start, ResponseStart) or start.status != 200:
+        return {}
+    return parse_residency(body.decode()).to_stats()
+
+
 class LoraReplica:
     """Ray Serve deployment class (wrapped by `serve.deployment` in api/fleet/ray_app.py)."""
 
@@ -91,24 +117,17 @@ class LoraReplica:
         logger.info("replica %s serving %s", self.replica_id, self.state.model_name)
 
     async def handle(
-        self, request: HttpRequest, request_id: str | None
+        self, request: HttpRequest, assigned: AssignedId | None
     ) -> AsyncIterator[ResponseStart | bytes]:
-        """Streams the app's answer to `request`; `request_id` (the ingress's) becomes the response id."""
+        """Streams the app's answer to `request`; `assigned` (the ingress's id) becomes the response id."""
         model_id = serve.get_multiplexed_model_id()
         extra = [(REPLICA_HEADER, self.replica_id.encode())]
         if model_id:
             is_resident = self._is_resident(model_id)
             await self._load_adapter(model_id)
             extra.append((RESIDENT_HEADER, b"1" if is_resident else b"0"))
-        token = assigned_request_id.set(request_id)
-        try:
-            async for chunk in stream_asgi(self.app, request):
-                if isinstance(chunk, ResponseStart):
-                    chunk = ResponseStart(chunk.status, [*chunk.headers, *extra])
-                yield chunk
-        finally:
-            with contextlib.suppress(ValueError):  # a generator may be finalized in another context
-                assigned_request_id.reset(token)
+        async for chunk in serve_assigned(self.app, request, assigned, extra):
+            yield chunk
 
     def _is_resident(self, model_id: str) -> bool:
         # model ids are the engine's adapter ids (api/fleet/routing.py), as of the engine's last step
@@ -136,6 +155,10 @@ class LoraReplica:
                 return resolve_adapter(session, tenant_id=tenant_id, model=model)
         except (ValueError, NotFound):
             return None
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What Ray's router (api/fleet/residency_router.py) reads: this replica's residency."""
+        return await scrape_residency(self.app)
 
     async def check_health(self) -> None:
         """Ray's health check: a replica whose engine thread died is restarted."""

@@ -10,7 +10,9 @@ responses), the usage record and the logs use that same `id`. Refused before any
   (`api.errors.request_id_in_use`; planning checks the usage table, admission the meter). Another
   tenant's use of the same id is no conflict: usage is keyed by (tenant, request id) (migration 0009),
   and the engine keys the request by the id and the tenant (`RequestContext.engine_key`).
-On a fleet replica the ingress's own id wins (api/fleet/routing.py), so a retry bills once.
+Through a fleet the ingress reads the header too (api/fleet/routing.py): a well-formed id becomes the
+id it assigns (`is_well_formed`), so every replica and a retry on another one use it; the ingress
+refuses an id its tenant has in flight on any replica, the replica one already billed.
 """
 
 from __future__ import annotations
@@ -26,12 +28,16 @@ MAX_CHARS = 128
 _FORM = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_CHARS}}}")
 
 
+def is_well_formed(raw: str) -> bool:
+    return _FORM.fullmatch(raw) is not None
+
+
 def client_request_id(request: Request) -> str | None:
     """The request's `X-Request-Id` when it sent one; 400 when that is not of the documented form."""
     raw = request.headers.get(HEADER)
     if raw is None:
         return None
-    if not _FORM.fullmatch(raw):
+    if not is_well_formed(raw):
         shown = raw if len(raw) <= 40 else raw[:40] + "..."
         raise APIError(
             400,

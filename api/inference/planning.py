@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from api.context import ID_PREFIX, Caller, RequestContext, RequestKind, new_request_id
+from api.context import ID_PREFIX, Caller, RequestContext, RequestKind, assigned_request_id, new_request_id
 from api.errors import APIError, model_not_found, request_id_in_use
 from api.inference.adapter_fetch import AdapterFetch, StoreUnreachable, adapter_unavailable
 from api.inference.echo import EchoPrompt, echo_prompts
@@ -167,11 +167,15 @@ def _request_id(
     *, session: Session, caller: Caller, kind: RequestKind, client_id: str | None
 ) -> tuple[str, str | None]:
     """The request id and the client id it uses (None when the fleet ingress's id won, or none was
-    sent); 409 when the tenant was already billed under it (in flight: admission's check)."""
+    sent); 409 when the tenant was already billed under it (in flight: admission's check). A fleet
+    ingress's retry skips the billed check: a record under the id is the attempt of the replica that
+    went away (its journal, replayed), and usage's ON CONFLICT (tenant, id) keeps that one record."""
     request_id = new_request_id(kind, client_id)
     if client_id is None or request_id != f"{ID_PREFIX[kind]}-{client_id}":
         return request_id, None
-    if is_request_id_used(session, tenant_id=caller.tenant.id, request_id=request_id):
+    assigned = assigned_request_id.get()
+    is_retry = assigned is not None and assigned.is_retry
+    if not is_retry and is_request_id_used(session, tenant_id=caller.tenant.id, request_id=request_id):
         raise request_id_in_use(client_id)
     return request_id, client_id
 

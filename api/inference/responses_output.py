@@ -7,6 +7,10 @@ only the answer's shape differs: a `response` object, or its SSE events (`respon
 
 Usage is `input_tokens` / `output_tokens` / `total_tokens` (+ cached and reasoning details); it is the
 chat path's one billed usage (metered once, by the engine request's end).
+
+`previous_response_id` puts the stored conversation before the input; `store: true` keeps the
+finished response (api/inference/stored_responses.py), streamed or not; a response that ended in an
+error is not kept.
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from api.context import Caller, Usage, compute_usage
 from api.errors import APIError
@@ -27,7 +32,7 @@ from api.inference import provenance
 from api.inference.completions import _admit, _plan, _run_to_end
 from api.inference.planning import GenerationPlan
 from api.inference.responses import ClosingStream, failure, timeout_error
-from api.inference.responses_protocol import ResponsesRequest, chat_request
+from api.inference.responses_protocol import ResponsesRequest, chat_request, input_items
 from api.inference.running import (
     RequestTimeout,
     abandon_unstarted,
@@ -93,9 +98,9 @@ def _response(
         "model": body.model,
         "output": output,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "previous_response_id": None,
+        "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": None, "summary": None},
-        "store": False,
+        "store": bool(body.store),
         "temperature": body.temperature,
         "text": {"format": (body.text.format if body.text and body.text.format else {"type": "text"})},
         "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else (choice or "auto"),
@@ -127,7 +132,8 @@ def _finished(
 async def create_response(
     *, inference: Inference, request: Request, session: Session, caller: Caller, body: ResponsesRequest
 ) -> Response:
-    chat = chat_request(body)
+    earlier = await _earlier(inference, caller, body)
+    chat = chat_request(body, earlier)
     plan = await _plan(
         inference=inference, request=request, session=session, caller=caller, body=chat, kind="chat"
     )
@@ -135,13 +141,16 @@ async def create_response(
     ctx = plan.ctx
     headers = {"X-Request-Id": ctx.header_id, **ctx.response_headers, **provenance.headers(ctx.provenance)}
     resp_id, created = "resp_" + ctx.request_id.split("-", 1)[-1], int(time.time())
+    keep = _keeper(inference, caller, body, earlier)
     if plan.stream:
 
         def on_close() -> None:
             abandon_unstarted(inflight=inference.inflight, plan=plan)
             ticket.release(plan.ctx.usage)
 
-        events = _events(inference=inference, plan=plan, body=body, resp_id=resp_id, created=created)
+        events = _events(
+            inference=inference, plan=plan, body=body, resp_id=resp_id, created=created, keep=keep
+        )
         return ClosingStream(events, on_close, media_type="text/event-stream", headers=headers)
     try:
         finals = await unless_disconnected(
@@ -156,7 +165,38 @@ async def create_response(
         abandon_unstarted(inflight=inference.inflight, plan=plan)
         ticket.release(ctx.usage)
     out = finals[0]
-    return JSONResponse(_finished(body, resp_id, created, plan, out.text, out.finish_reason), headers=headers)
+    done = _finished(body, resp_id, created, plan, out.text, out.finish_reason)
+    if keep is not None:
+        await keep(done)
+    return JSONResponse(done, headers=headers)
+
+
+async def _earlier(inference: Inference, caller: Caller, body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The stored conversation `previous_response_id` continues (404 when the tenant has none such)."""
+    stored = inference.stored_responses
+    if stored is None and (body.store or body.previous_response_id is not None):
+        field = "store" if body.store else "previous_response_id"
+        raise APIError(400, f"`{field}` is not supported by this server: responses are not kept", param=field)
+    if stored is None or body.previous_response_id is None:
+        return []
+    return await run_in_threadpool(
+        stored.conversation, tenant_id=caller.tenant.id, response_id=body.previous_response_id
+    )
+
+
+def _keeper(
+    inference: Inference, caller: Caller, body: ResponsesRequest, earlier: list[dict[str, Any]]
+) -> Callable[[dict[str, Any]], Awaitable[None]] | None:
+    """With `store: true`: what keeps the finished response and the conversation it answered."""
+    stored = inference.stored_responses
+    if not body.store or stored is None:
+        return None
+    items = [*earlier, *input_items(body)]
+
+    async def keep(response: dict[str, Any]) -> None:
+        await run_in_threadpool(stored.save, tenant_id=caller.tenant.id, response=response, input_items=items)
+
+    return keep
 
 
 class _Events:
@@ -170,7 +210,13 @@ class _Events:
 
 
 async def _events(
-    *, inference: Inference, plan: GenerationPlan, body: ResponsesRequest, resp_id: str, created: int
+    *,
+    inference: Inference,
+    plan: GenerationPlan,
+    body: ResponsesRequest,
+    resp_id: str,
+    created: int,
+    keep: Callable[[dict[str, Any]], Awaitable[None]] | None,
 ) -> AsyncIterator[str]:
     ev = _Events()
     start = _response(body, resp_id, created, "in_progress", [])
@@ -269,5 +315,7 @@ async def _events(
             )
         yield ev("response.output_item.done", output_index=index, item=item)
         index += 1
+    if keep is not None:
+        await keep(done)  # before the last event: a client that read it finds the response stored
     kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
     yield ev(kind, response=done)

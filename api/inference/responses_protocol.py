@@ -7,8 +7,9 @@ so that rendering, planning, admission and metering are the chat path's own (api
 - `tools`: function tools (`{"type": "function", "name", "description", "parameters", "strict"}`),
   `tool_choice` as on chat (`{"type": "function", "name"}` for a named one).
 - `text.format`: `text`, `json_object`, `json_schema` (`name`, `schema`, ...), as chat's `response_format`.
-- `store`: nothing is stored. `store: true` and `previous_response_id` are refused by name; omitted
-  `store` (what the official client and the Agents SDK send by default) is served unstored.
+- `store: true` keeps the response per tenant, `previous_response_id` continues from a kept one
+  (api/inference/stored_responses.py); omitted `store` (what the official client and the Agents SDK
+  send by default) is served unstored, as is `store: false`.
 Unknown fields are a 400 naming them, as on chat.
 """
 
@@ -77,20 +78,6 @@ class ResponsesRequest(_Strict):
     allow_json_whitespace: StrictBool | None = None  # ours, as on chat
     speculative: StrictBool | None = None  # ours, as on chat
 
-    @field_validator("store")
-    @classmethod
-    def _no_store(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _unsupported("store", ": responses are not kept; send store false or omit it")
-        return value
-
-    @field_validator("previous_response_id")
-    @classmethod
-    def _no_previous(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise _unsupported("previous_response_id", " (responses are not stored): send the whole input")
-        return value
-
     @field_validator("include", "reasoning", "top_logprobs")
     @classmethod
     def _empty_only(cls, value: Any, info: Any) -> Any:
@@ -128,13 +115,18 @@ def _text_of(content: Any, index: int) -> str:
     return "".join(texts)
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's `input` as items (a string is one user message)."""
+    if isinstance(body.input, str):
+        return [{"type": "message", "role": "user", "content": body.input}]
+    return list(body.input)
+
+
+def _messages(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
-    for i, item in enumerate(body.input):
+    for i, item in enumerate([*earlier, *input_items(body)]):
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -165,8 +157,11 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request a Responses body means (validated like any chat body)."""
+def chat_request(
+    body: ResponsesRequest, earlier: list[dict[str, Any]] | None = None
+) -> ChatCompletionRequest:
+    """The chat completion request a Responses body means (validated like any chat body); `earlier`:
+    the stored conversation its `previous_response_id` continues, before its own input."""
     tools = None
     if body.tools:
         tools = [
@@ -182,7 +177,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         fmt = {"type": "json_schema", "json_schema": spec}
     fields: dict[str, Any] = {
         "model": body.model,
-        "messages": _messages(body),
+        "messages": _messages(body, earlier or []),
         "max_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,

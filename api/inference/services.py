@@ -10,6 +10,7 @@ from api.inference.adapter_fetch import AdapterFetch
 from api.inference.inflight import InFlight
 from api.inference.limits import RequestLimits
 from api.inference.sampling import SeedSource
+from api.inference.stored_responses import StoredResponses
 from api.metering.request_meter import Meter
 from api.tenancy.admission import Admission
 from api.tenancy.plan_gate import PlanGate
@@ -38,3 +39,5 @@ class Inference:
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser: the tool syntax (None: the template's)
     # sampling defaults stored with adapters (api/inference/adapter_defaults.py; the demo tenant's)
     adapter_defaults: AdapterDefaults = field(default_factory=AdapterDefaults)
+    # Responses API `store: true` / `previous_response_id` (None: both refused by name)
+    stored_responses: StoredResponses | None = None

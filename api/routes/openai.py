@@ -1,18 +1,22 @@
-"""OpenAI-compatible inference routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`."""
+"""OpenAI-compatible inference routes: `/v1/completions`, `/v1/chat/completions`, `/v1/responses` (and a
+stored one's GET / DELETE), `/v1/models`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from api.deps import InferenceDep, SessionDep, StateDep, TenantDep
-from api.errors import model_not_found, responses
+from api.errors import APIError, model_not_found, responses
 from api.inference.completions import create_completion
 from api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from api.inference.provenance import OPENAPI_HEADERS
 from api.inference.responses_output import create_response
 from api.inference.responses_protocol import ResponsesRequest
+from api.inference.services import Inference
+from api.inference.stored_responses import StoredResponses
 from api.state import AppState
 from registry.adapters import list_adapters
 
@@ -48,10 +52,32 @@ async def chat_completions(
 async def create_responses(
     body: ResponsesRequest, request: Request, inference: InferenceDep, session: SessionDep, caller: TenantDep
 ) -> Response:
-    """OpenAI's Responses API over the chat path (api/inference/responses_output.py); nothing is stored."""
+    """OpenAI's Responses API over the chat path (api/inference/responses_output.py); `store: true`
+    keeps it for the tenant (api/inference/stored_responses.py)."""
     return await create_response(
         inference=inference, request=request, session=session, caller=caller, body=body
     )
+
+
+def _stored(inference: Inference) -> StoredResponses:
+    if inference.stored_responses is None:
+        raise APIError(404, "responses are not stored by this server", code="response_not_found")
+    return inference.stored_responses
+
+
+@router.get("/responses/{response_id}", responses=responses(401, 404))
+async def get_stored_response(response_id: str, inference: InferenceDep, caller: TenantDep) -> dict[str, Any]:
+    """A response this tenant created with `store: true`, as it was returned."""
+    stored = _stored(inference)
+    return await run_in_threadpool(stored.get, tenant_id=caller.tenant.id, response_id=response_id)
+
+
+@router.delete("/responses/{response_id}", responses=responses(401, 404))
+async def delete_stored_response(
+    response_id: str, inference: InferenceDep, caller: TenantDep
+) -> dict[str, Any]:
+    stored = _stored(inference)
+    return await run_in_threadpool(stored.delete, tenant_id=caller.tenant.id, response_id=response_id)
 
 
 def _base_card(state: AppState) -> dict[str, Any]:

@@ -18,7 +18,10 @@ class NgramProposer:
         self.max_n = max_n
         self.min_n = min_n
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def release(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
+    def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
         if k <= 0:
             return []

@@ -3,11 +3,15 @@
 A request is speculated when it decodes (one uncomputed token), is not deterministic (those run
 without speculation: README), has no grammar (its matcher holds one state, advanced per sampled
 row), and did not opt out (``SamplingParams.speculative``). Its k never lets the emitted tokens pass
-``max_tokens`` or the context.
+``max_tokens`` or the context. With a measured cost table (``costs``, probe.py) its k is also the one
+cost.py expects to pay best at this step's number of decodes, given its acceptance and the proposer's
+measured seconds per draft token; none that pays: no drafts, and a cooldown (adaptive.py); where not
+even all-accepted drafts could pay (a drafter dearer than what the verify saves), no probes either.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable
 from collections.abc import Sequence as Tokens
@@ -17,11 +21,20 @@ from typing import Protocol
 from base_engine.outputs import SpecDecodeCounts
 from base_engine.sequence import Sequence
 from base_engine.speculative.adaptive import AdaptiveK
+from base_engine.speculative.cost import CostTable, choose_k
 from base_engine.speculative.ngram import NgramProposer
+
+# The drafter's cost is trusted for "never pays" after this many timed proposals (a request's first
+# one includes its prefill); then one in RECHECK such request steps drafts anyway (load changes).
+MIN_DRAFT_TIMINGS = 4
+RECHECK = 256
 
 
 class Proposer(Protocol):
-    def propose(self, tokens: Tokens[int], k: int) -> list[int]: ...
+    def propose(self, request_id: str, tokens: Tokens[int], k: int) -> list[int]: ...
+
+    def release(self, request_id: str) -> None:
+        """The request left the running set: drop whatever the proposer keeps for it."""
 
 
 @dataclass(slots=True)
@@ -79,26 +92,63 @@ class Speculator:
         self.off_batch: int | None = None  # no drafts in a step with this many decodes (None: never)
         self.adaptive: dict[str, AdaptiveK] = {}  # per running request id
         self.num_off_steps = 0  # steps switched off by off_batch
+        self.costs: CostTable | None = None  # measured at start (None: adaptive k alone)
+        self.draft_seconds = 0.0  # the proposer's seconds per draft token, exponentially averaged
+        self.num_draft_timings = 0  # proposals timed into draft_seconds
+        self.prior = (1.0, 1.0)  # (accepted, trials) over all verifies: a new request's starting alpha
+        self.num_never_pays = 0  # request steps where drafts could not pay even if all accepted
 
     def propose(self, running: Iterable[Sequence]) -> None:
         """Sets ``draft_token_ids`` of every running request (empty where it is not speculated)."""
         running = list(running)
         live = {seq.request_id for seq in running}
-        self.adaptive = {rid: state for rid, state in self.adaptive.items() if rid in live}
+        for rid in [rid for rid in self.adaptive if rid not in live]:
+            del self.adaptive[rid]
+            self.proposer.release(rid)
         num_decodes = sum(1 for seq in running if seq.num_uncomputed_tokens == 1)
         off = self.off_batch is not None and num_decodes >= self.off_batch
         self.num_off_steps += off
         for seq in running:
             budget = 0 if off else self._budget(seq)
-            k = 0 if budget == 0 else min(budget, self._state(seq).take())
-            seq.draft_token_ids = (
-                self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, k) if k > 0 else []
-            )
+            k = 0 if budget == 0 else self._k(self._state(seq), budget, num_decodes)
+            seq.draft_token_ids = self._draft(seq, k) if k > 0 else []
+
+    def _k(self, state: AdaptiveK, budget: int, num_decodes: int) -> int:
+        """Adaptive k capped by the budget; with a cost table, the k that pays best (a probe: 1).
+        Where not even acceptance 1 would pay (a drafter dearer than the verify saves), no drafts and
+        no probes: only every RECHECK-th such request step drafts (one token), to re-time the drafter."""
+        if self.costs is not None and self.num_draft_timings >= MIN_DRAFT_TIMINGS:
+            never = choose_k(1.0, budget, num_decodes, self.costs, self.draft_seconds) == 0
+            if never:
+                self.num_never_pays += 1
+                return 0 if self.num_never_pays % RECHECK else 1  # the recheck: one draft, timed
+        k = min(budget, state.take())
+        if k == 0 or state.probing:
+            return k
+        if self.costs is not None:
+            k = choose_k(state.alpha, k, num_decodes, self.costs, self.draft_seconds)
+            if k == 0:
+                state.pause()  # accepted or not, drafts do not pay here: re-measure after a cooldown
+                return 0
+        state.resume()
+        return k
+
+    def _draft(self, seq: Sequence, k: int) -> list[int]:
+        start = time.perf_counter()
+        drafts = self.proposer.propose(seq.request_id, seq.prompt_token_ids + seq.output_token_ids, k)
+        if drafts:  # the drafter's time per token, what cost.py charges each draft
+            per_token = (time.perf_counter() - start) / len(drafts)
+            previous = self.draft_seconds or per_token
+            self.draft_seconds = 0.5 * previous + 0.5 * per_token
+            self.num_draft_timings += 1
+        return drafts
 
     def _state(self, seq: Sequence) -> AdaptiveK:
         state = self.adaptive.get(seq.request_id)
         if state is None:
-            state = self.adaptive[seq.request_id] = AdaptiveK(self.k)
+            # A new request's acceptance starts at what this engine's drafts have had lately.
+            accepted, trials = self.prior
+            state = self.adaptive[seq.request_id] = AdaptiveK(self.k, accepted=accepted, trials=trials)
         return state
 
     def _budget(self, seq: Sequence) -> int:
@@ -118,6 +168,10 @@ class Speculator:
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         self._state(seq).update(num_drafts, num_accepted)
+        accepted, trials = self.prior  # averaged slower than a request's own (1 / 8 per verify)
+        rejected = num_accepted < num_drafts
+        trial = num_accepted + rejected
+        self.prior = (0.875 * accepted + 0.125 * num_accepted, 0.875 * trials + 0.125 * trial)
         name = "" if seq.adapter is None else seq.adapter.name
         counts = self.stats.by_ref.setdefault("" if seq.adapter is None else seq.adapter.id, [0, 0])
         counts[0] += num_drafts

@@ -5,8 +5,11 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+from kernels.sgmv import cost_model
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -55,3 +58,36 @@ def peft_references(
             if n == name:
                 refs[i] = hf_greedy(model, prompts[i], max_new)
     return refs
+
+
+def make_saved_adapter(
+    model_dir: Path, out: Path, *, seed: int, copy_noise: float = 1.0, **lora_kwargs
+) -> Path:
+    """A PEFT adapter with modules_to_save copies moved off the base weights (noise `copy_noise` times
+    the weights' mean magnitude)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_kwargs))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "modules_to_save" in name:
+                    param.add_(torch.randn_like(param) * param.abs().mean() * copy_noise)
+                elif "lora_" in name:
+                    param.mul_(4.0)
+        model.save_pretrained(out)
+    return out
+
+
+def pin_schedule(monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
+    """ "bag": every segment in bags (prefill runs too); "loop": no bags, the fused segment loop only."""
+    # bag: bags cost nothing, a loop segment 1 s; loop: the bag schedule costs 1 s to start
+    costs = (
+        cost_model.ScheduleCosts(0.0, 0.0, 1.0, 0.0, 0.0)
+        if schedule == "bag"
+        else cost_model.ScheduleCosts(1.0, 0.0, 0.0, 0.0, 0.0)
+    )
+    monkeypatch.setattr(cost_model, "costs_for", lambda dtype, device: costs)

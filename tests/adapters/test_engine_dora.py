@@ -11,8 +11,7 @@ import pytest
 
 from base_engine import LLM, SamplingParams
 from base_engine.model.config import load_model_config
-from kernels.sgmv import cost_model
-from tests.adapters.engine_helpers import ALL_SEVEN, make_adapter, peft_model
+from tests.adapters.engine_helpers import ALL_SEVEN, make_adapter, peft_model, pin_schedule
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
 from tests.harness.families import CHECKPOINTS, FAMILIES
@@ -52,17 +51,6 @@ def references(tiny_llama_dir: Path, adapters: dict[str, Path]) -> dict:
     return {"prompts": prompts, "refs": refs}
 
 
-def _pin_schedule(monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
-    """ "bag": every segment in bags (prefill runs too); "loop": no bags, the fused segment loop only."""
-    # bag: bags cost nothing, a loop segment 1 s; loop: the bag schedule costs 1 s to start
-    costs = (
-        cost_model.ScheduleCosts(0.0, 0.0, 1.0, 0.0, 0.0)
-        if schedule == "bag"
-        else cost_model.ScheduleCosts(1.0, 0.0, 0.0, 0.0, 0.0)
-    )
-    monkeypatch.setattr(cost_model, "costs_for", lambda dtype, device: costs)
-
-
 def _compare(outs, references, indices, label: str) -> int:
     compared = 0
     for i in indices:
@@ -92,7 +80,7 @@ def test_one_dora_adapter_matches_peft(tiny_llama_dir, adapters, references) -> 
 def test_mixed_dora_lora_base_batch_matches_peft(
     tiny_llama_dir, adapters, references, monkeypatch, schedule: str, attention: str, deterministic: bool
 ) -> None:
-    _pin_schedule(monkeypatch, schedule)
+    pin_schedule(monkeypatch, schedule)
     llm = LLM(
         tiny_llama_dir, num_kv_blocks=128, block_size=4, max_loras=4, max_lora_rank=16,
         max_num_batched_tokens=48, attention=attention, deterministic=deterministic,

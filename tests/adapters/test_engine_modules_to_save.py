@@ -8,12 +8,10 @@ saved); bytes counted in the cache; the coverage report."""
 from __future__ import annotations
 
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from adapters.cache import adapter_bytes
 from adapters.format import load_adapter
@@ -21,7 +19,7 @@ from adapters.types import AdapterFormatError, AdapterValidationError
 from adapters.validation import validate_adapter
 from base_engine import LLM, SamplingParams
 from base_engine.model.config import load_model_config
-from tests.adapters.engine_helpers import make_adapter, peft_model
+from tests.adapters.engine_helpers import make_adapter, make_saved_adapter, peft_model
 from tests.base_engine.oracle import assert_greedy_match, hf_greedy
 from tests.harness.engine_inputs import random_prompts
 from tests.harness.families import CHECKPOINTS
@@ -33,25 +31,6 @@ NAMES = [None, "own_head", "lora_qv", "own_embed", "own_both", None, "own_head",
 HEAD = "base_model.model.lm_head.weight"
 EMBED = "base_model.model.model.embed_tokens.weight"
 CHUNKED = {"arch": "llama", "vocab_size": 2500, "seed": 5}  # 3 LOGITS_CHUNKs on CPU
-
-
-def make_saved_adapter(model_dir: Path, out: Path, *, seed: int, **lora_kwargs) -> Path:
-    """A PEFT adapter with modules_to_save copies moved well off the base weights."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_kwargs))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "modules_to_save" in name:
-                    param.add_(torch.randn_like(param) * param.abs().mean())
-                elif "lora_" in name:
-                    param.mul_(4.0)
-        model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,9 @@ def _fields(base) -> dict:
     return {name: getattr(base, name) for name in base.__slots__}
 
 
-def test_a_transformers_4_per_expert_adapter_is_refused_by_name(qwen3_moe: Path, tmp_path: Path) -> None:
+def test_a_stray_per_expert_tensor_is_refused_by_name(qwen3_moe: Path, tmp_path: Path) -> None:
+    """A transformers-4 expert tensor (served when targeted: tests/adapters/test_moe_v4_adapters.py) in an
+    adapter whose config does not target that module."""
     from safetensors.torch import load_file, save_file
 
     adapter_dir = make_adapter(qwen3_moe, tmp_path / "a", seed=11, r=4, target_modules=["q_proj"])
@@ -137,7 +139,7 @@ def test_a_transformers_4_per_expert_adapter_is_refused_by_name(qwen3_moe: Path,
     tensors = load_file(path)
     tensors["base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight"] = torch.zeros(4, 64)
     save_file(tensors, path)
-    with pytest.raises(AdapterFormatError, match="saved on transformers 4"):
+    with pytest.raises(AdapterFormatError, match="experts.3.gate_proj', which adapter_config.json does not"):
         load_adapter(adapter_dir, base=_base(qwen3_moe))
 
 
@@ -158,3 +160,28 @@ def test_device_slots_count_every_experts_factors(qwen3_moe: Path) -> None:
         for t in s.lora_a + s.lora_b
     )
     assert held == 2 * experts * sum(moe.sparse_layers)
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen2-moe"])
+def test_upload_limit_holds_a_transformers_4_adapter_on_every_module(
+    family: str, make_checkpoint, tmp_path
+) -> None:
+    """Per-expert gate/up/down pairs (transformers 4's layout, 3 pairs per expert: r (3H + 3I)) weigh more
+    than the fused tensors' (r (2H + 3I)); with every attention projection, the shared expert and the
+    router at the same rank, the file stays within the derived limit."""
+    from tests.adapters.moe_v4_helpers import save_v4_adapter
+
+    model_dir = make_checkpoint(**CHECKPOINTS[family])
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate"]
+    directory = save_v4_adapter(model_dir, tmp_path / "v4", seed=3, target_modules=targets, r=8, lora_alpha=8)
+    size = (directory / "adapter_model.safetensors").stat().st_size
+    base = _base(model_dir)
+    assert size <= max_adapter_weights_bytes(base, 8)
+    experts = (
+        sum(base.moe.sparse_layers)
+        * base.moe.num_experts
+        * 8
+        * 3
+        * (base.hidden_size + base.moe.expert_intermediate_size)
+    )
+    assert size > experts * 4  # the per-expert factors are most of it

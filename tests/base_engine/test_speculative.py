@@ -13,9 +13,9 @@ from tests.harness.engine_inputs import random_prompts
 
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     proposer = NgramProposer(max_n=3)
-    assert proposer.propose([1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3], 2) == [5, 7]
-    assert proposer.propose([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]
-    assert proposer.propose([5, 6, 7], 4) == []
+    assert proposer.propose("r", [1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3], 2) == [5, 7]
+    assert proposer.propose("r", [1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]
+    assert proposer.propose("r", [5, 6, 7], 4) == []
 
 
 def test_accepted_tokens_stop_at_the_first_mismatch() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from base_engine import LLM, SamplingParams
 from base_engine.speculative.adaptive import MIN_COOLDOWN, AdaptiveK
 from base_engine.speculative.ngram import NgramProposer
-from base_engine.speculative.probe import measure_off_batch, off_batch_threshold
+from base_engine.speculative.probe import cost_table, measure_costs
 from tests.harness.engine_inputs import random_prompts
 
 
@@ -46,7 +46,10 @@ class NeverAccepted:
     def __init__(self, prompt: list[int], reference: list[int], vocab: int) -> None:
         self.prompt, self.reference, self.vocab, self.ks = prompt, reference, vocab, []
 
-    def propose(self, tokens: Tokens[int], k: int) -> list[int]:
+    def release(self, request_id: str) -> None:
+        pass
+
+    def propose(self, request_id: str, tokens: Tokens[int], k: int) -> list[int]:
         self.ks.append(k)
         done = len(tokens) - len(self.prompt)
         return [(t + 1) % self.vocab for t in self.reference[done : done + k]]
@@ -69,14 +72,23 @@ def test_a_never_accepting_drafter_gets_k_shrunk_and_changes_no_token(tiny_llama
     assert all(k == 1 for k in drafter.ks[3:]) and 1 <= len(drafter.ks) - 3 <= 3  # rare probes only
 
 
-def test_threshold_is_the_first_batch_where_verify_costs_half_of_k_plus_1_decodes() -> None:
+def test_the_table_stops_at_the_first_batch_where_no_k_pays_at_high_acceptance() -> None:
     def step_seconds(batch: int, num_new: int) -> float:  # fixed overhead + compute per token
-        return 1.0 + 0.1 * batch * num_new
+        return 1.0 + batch * num_new
 
-    # k=3: verify / decode = (1 + 0.4b) / (1 + 0.1b) >= 2 from b = 5 -> the first power of 2 is 8
-    assert off_batch_threshold(step_seconds, 3, 64) == 8
-    assert off_batch_threshold(step_seconds, 3, 4) is None  # never compute-bound within max_num_seqs
-    assert off_batch_threshold(lambda b, n: 1.0, 3, 64) is None  # overhead only: drafts are free
+    # verify / decode at b: (1 + b n) / (1 + b); at alpha 0.9, k = 1, 2, 3 drafts emit 1.9, 2.71, 3.44
+    # tokens: b = 8 still pays (k=1 costs 17 / 9 = 1.89 decodes), b = 16 does not (k=1: 1.94, k=2: 2.88,
+    # k=3: 3.82)
+    def row(batch: int) -> tuple[float, ...]:
+        return tuple(step_seconds(batch, n) for n in range(1, 5))
+
+    table = cost_table(row, 64)
+    assert sorted(table.seconds) == [1, 2, 4, 8, 16] and table.off_batch == 16
+    assert table.seconds[4] == tuple(1.0 + 4 * n for n in range(1, 5))
+    assert cost_table(row, 4).off_batch is None  # never reached within max_num_seqs
+    assert cost_table(lambda b: (1.0,) * 4, 64).off_batch is None  # overhead only: drafts are free
+    # a timing dip (noise on a loaded host) never makes a verify cheaper than a shorter one
+    assert cost_table(lambda b: (1.0, 1.25, 0.68, 1.22), 1).seconds[1] == (1.0, 1.25, 1.25, 1.25)
 
 
 class Watching:
@@ -85,9 +97,12 @@ class Watching:
     def __init__(self, running: list) -> None:
         self.running, self.inner, self.decoding = running, NgramProposer(), []
 
-    def propose(self, tokens: Tokens[int], k: int) -> list[int]:
+    def release(self, request_id: str) -> None:
+        pass
+
+    def propose(self, request_id: str, tokens: Tokens[int], k: int) -> list[int]:
         self.decoding.append(sum(1 for s in self.running if s.num_uncomputed_tokens == 1))
-        return self.inner.propose(tokens, k)
+        return self.inner.propose(request_id, tokens, k)
 
 
 def _run_watched(model: Path, off_batch: int, num: int) -> tuple[list, list[int], int]:
@@ -112,9 +127,11 @@ def test_the_threshold_is_measured_at_start_and_switches_off_above_it(tiny_llama
     with LLM(tiny_llama_dir, max_num_seqs=4, speculative="ngram") as llm:
         engine = llm.engine
         measured = engine.speculator.off_batch
-        again = measure_off_batch(engine.runner, 4, 4, engine.max_model_len)
+        assert engine.speculator.costs is not None and engine.speculator.costs.off_batch == measured
+        again = measure_costs(engine.runner, 4, 4, engine.max_model_len)
     assert measured is None or 1 <= measured <= 4
-    assert again is None or 1 <= again <= 4
+    assert again.off_batch is None or 1 <= again.off_batch <= 4
+    assert all(len(row) == 5 and min(row) > 0 for row in again.seconds.values())
     if measured is not None:  # at and above it, no request of the step is speculated
         _, decoding, off_steps = _run_watched(tiny_llama_dir, measured, 4)
         assert off_steps > 0 and all(d < measured for d in decoding)

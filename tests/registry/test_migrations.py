@@ -19,6 +19,7 @@ TABLES = {"tenants", "api_keys", "adapter_versions", "usage_records", "audit_log
 TABLES |= {"quota_buckets", "quota_leases", "console_sessions"}  # fleet state (0003)
 TABLES |= {"fleet_replicas", "fleet_pins", "fleet_events"}  # fleet membership (0004)
 TABLES |= {"import_grants", "import_claims"}  # per-tenant imports (0006)
+TABLES |= {"stored_responses"}  # Responses API store: true (0010)
 
 
 def _tables(url: str) -> set[str]:

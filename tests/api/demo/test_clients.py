@@ -1,7 +1,8 @@
 """Real client libraries against `loraserve serve` on the default model (SmolLM2-135M-Instruct, whose chat
 template renders no tools), max_tokens 256: LangChain (`with_structured_output`, `bind_tools` with a forced
 `tool_choice`, `use_responses_api=True`), LiteLLM's pydantic `response_format`, and the OpenAI Agents SDK
-(its default model, `OpenAIResponsesModel`; `function_tool` with `tool_choice="required"`). Structured
+(its default model, `OpenAIResponsesModel`; `function_tool` with `tool_choice="required"`; a stored
+conversation continued by `previous_response_id`). Structured
 calls must finish (no `length`) and parse: compact JSON, and forced calls by grammar.
 
 instructor is in test_instructor.py (skipped where it is not installed: its pins conflict with ours).
@@ -156,3 +157,31 @@ def test_agents_sdk_default_model_with_a_required_function_tool(served: ServerPr
     result, answer = asyncio.run(both())
     assert len(seen) == 1 and result.final_output == f"sunny in {seen[0]}", (seen, result.raw_responses)
     assert isinstance(answer.final_output, str) and answer.final_output
+
+
+def test_agents_sdk_continues_a_stored_conversation(served: ServerProcess, key: str) -> None:
+    """The Agents SDK's server-side conversation: `store=True` and `Runner.run(previous_response_id=)`
+    (api/inference/stored_responses.py); the second turn's prompt holds the first turn."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=f"{served.base_url}/v1", api_key=key, max_retries=0)
+    agent = Agent(
+        name="plain",
+        instructions="Be brief.",
+        model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(max_tokens=48, temperature=0.0, store=True),
+    )
+
+    async def two_turns():  # noqa: ANN202 - the SDK's RunResults
+        first = await Runner.run(agent, "My name is Ada.")
+        return first, await Runner.run(agent, "What is my name?", previous_response_id=first.last_response_id)
+
+    first, second = asyncio.run(two_turns())
+    assert isinstance(second.final_output, str) and second.final_output
+    headers = {"Authorization": f"Bearer {key}"}
+    kept = httpx.get(f"{served.base_url}/v1/responses/{second.last_response_id}", headers=headers, timeout=30)
+    assert kept.status_code == 200 and kept.json()["previous_response_id"] == first.last_response_id
+    (u1,), (u2,) = [r.usage for r in first.raw_responses], [r.usage for r in second.raw_responses]
+    assert u2.input_tokens > u1.input_tokens + u1.output_tokens  # the first turn came before the second

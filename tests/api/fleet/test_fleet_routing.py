@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route as StarletteRoute
 
 from adapters.validation import validate_adapter
-from api.context import assigned_request_id, new_request_id
+from api.context import AssignedId, assigned_request_id, new_request_id
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart, stream_asgi
 from api.fleet.routing import AdapterRouter, parse_model_id
 from migrations.api import upgrade
@@ -55,6 +55,7 @@ def test_routing_identity_is_the_engines_adapter_id(registry: tuple[AdapterRoute
     assert route.request_id.startswith("chatcmpl-") and route.is_idempotent
     assert _post(router, "/v1/completions", key, "bot@1").model_id == f"{tenant_id}/bot@1"
     assert _post(router, "/tokenize", key, "bot").request_id is None
+    assert _post(router, "/v1/responses", key, "bot").model_id == f"{tenant_id}/bot@1"
     # Base model, unknown adapter, bad key, bad JSON: any replica (which answers 404/401/400 itself).
     assert _post(router, "/v1/completions", key, BASE_MODEL).model_id is None
     assert _post(router, "/v1/completions", key, "nope").model_id is None
@@ -80,7 +81,7 @@ def test_parse_model_id_names_the_expected_form() -> None:
 
 
 def test_assigned_request_id_becomes_the_response_id() -> None:
-    token = assigned_request_id.set("cmpl-from-the-ingress")
+    token = assigned_request_id.set(AssignedId("cmpl-from-the-ingress"))
     try:
         assert new_request_id("completion") == "cmpl-from-the-ingress"
         assert new_request_id("chat").startswith("chatcmpl-")  # another kind's id is never reused
@@ -178,7 +179,7 @@ def test_a_response_through_rays_proxy_carries_one_request_id() -> None:
     import httpx
     from ray.serve._private.http_util import RequestIdMiddleware  # what Ray's proxy wraps apps in
 
-    from api.fleet.proxy_headers import CALLBACK, OneRequestId, proxy_env
+    from api.fleet.proxy_headers import CALLBACK, CLIENT_REQUEST_ID, OneRequestId, proxy_env
 
     def app(headers: dict[str, str]) -> Starlette:
         async def ok(_: Request) -> JSONResponse:
@@ -194,5 +195,21 @@ def test_a_response_through_rays_proxy_carries_one_request_id() -> None:
     assert asyncio.run(ids(RequestIdMiddleware(app(ours))))[0] == "cmpl-ours"  # and Ray's after it
     assert len(asyncio.run(ids(RequestIdMiddleware(app(ours))))) == 2
     assert asyncio.run(ids(OneRequestId(RequestIdMiddleware(app(ours))))) == ["cmpl-ours"]
+    # The client's own X-Request-Id reaches the app as CLIENT_REQUEST_ID; Ray's UUID never does.
+    seen: list[dict[str, str]] = []
+
+    async def record(scope: object, receive: object, send: object) -> None:
+        seen.append({k.decode(): v.decode() for k, v in scope["headers"]})  # type: ignore[index]
+        await app({})(scope, receive, send)  # type: ignore[arg-type]
+
+    async def send_ids(headers: dict[str, str]) -> None:
+        transport = httpx.ASGITransport(OneRequestId(RequestIdMiddleware(record)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            await client.get("/", headers=headers)
+
+    asyncio.run(send_ids({"X-Request-Id": "mine", CLIENT_REQUEST_ID: "forged"}))
+    asyncio.run(send_ids({CLIENT_REQUEST_ID: "forged"}))
+    assert seen[0][CLIENT_REQUEST_ID] == "mine" and CLIENT_REQUEST_ID not in seen[1]
+    assert seen[1]["x-request-id"]  # Ray's own, which the router ignores
     assert len(asyncio.run(ids(OneRequestId(RequestIdMiddleware(app({})))))) == 1  # Ray's own stays
     assert proxy_env() == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": CALLBACK}

@@ -327,3 +327,38 @@ def test_a_replica_killed_mid_load_fails_cleanly_and_bills_nothing_twice(
     answered = {request_id(r) for r in [*in_flight, *later] if r.status_code == 200}
     billed = wait_for(lambda: answered <= set(u := fleet.usage_ids(tenant_id)) and u, 30, what="usage")
     assert len(billed) == len(set(billed)) <= 1 + len(in_flight) + len(later)
+
+
+def test_a_clients_request_id_is_the_fleets_own(fleet: Fleet) -> None:
+    """Through the ingress as on one server (tests/api/inference/test_client_request_id.py): echoed,
+    the response id and the usage record's; reused once billed, or while in flight on any replica:
+    a 409; malformed: a 400."""
+    tenant_id, key = fleet.tenant()
+    rid = f"trace:{uuid.uuid4().hex[:12]}"
+
+    def post(request_id: str, **extra: Any) -> httpx.Response:
+        body = {"model": MODEL, "prompt": "hello fleet", "max_tokens": 4, **extra}
+        headers = {"Authorization": f"Bearer {key}", "X-Request-Id": request_id}
+        return httpx.post(f"{fleet.base_url}/v1/completions", headers=headers, json=body, timeout=120)
+
+    r = post(rid)
+    assert r.status_code == 200, r.text
+    assert request_id(r) == rid and r.json()["id"] == f"cmpl-{rid}"
+    assert wait_for(lambda: fleet.usage_row(f"cmpl-{rid}"), 30, what="usage") is not None
+    again = post(rid)
+    assert again.status_code == 409 and again.json()["error"]["code"] == "request_id_in_use", again.text
+    assert post("has space").json()["error"]["code"] == "invalid_request_id"
+    # In flight: the second is refused by the ingress, whichever replica the first runs on.
+    busy = f"busy-{uuid.uuid4().hex[:8]}"
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {key}", "X-Request-Id": busy}
+    with httpx.Client(base_url=fleet.base_url, headers=headers, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # running
+            second = post(busy)
+            assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    assert second.status_code == 409 and second.json()["error"]["code"] == "request_id_in_use", second.text
+    want = sorted([f"cmpl-{rid}", f"cmpl-{busy}"])
+    assert wait_for(lambda: sorted(fleet.usage_ids(tenant_id)) == want, 30, what="usage")

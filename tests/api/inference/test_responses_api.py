@@ -1,6 +1,7 @@
 """`POST /v1/responses` through the official `openai` client (`responses.create`, `responses.stream`)
 against a real server on a tiny Qwen2 (Hermes tool calls): text, instructions and item inputs, forced
-function calls, `text.format` JSON, usage equal to the chat path's, and `store: true` refused by name."""
+function calls, `text.format` JSON, usage equal to the chat path's, and unknown fields refused by name
+(stored responses: tests/api/inference/test_stored_responses.py)."""
 
 from __future__ import annotations
 
@@ -125,8 +126,6 @@ def test_text_format_json_schema(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     "extra,param",
     [
-        ({"store": True}, "store"),
-        ({"previous_response_id": "resp_x"}, "previous_response_id"),
         ({"nope": 1}, "nope"),
     ],
 )
