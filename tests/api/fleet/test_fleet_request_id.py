@@ -16,32 +16,23 @@ from pathlib import Path
 
 import pytest
 
-from api.app import create_app
-from api.bootstrap import build_state
 from api.context import AssignedId
 from api.fleet.asgi_bridge import HttpRequest, ResponseStart
 from api.fleet.proxy_headers import with_client_request_id
 from api.fleet.replica import serve_assigned
 from api.fleet.routing import AdapterRouter, InFlightIds, Route
-from api.settings import Settings
-from api.state import AppState
 from registry.tenants import create_tenant
 from registry.usage import export_usage
 from tests.harness.in_process import request_meter
+from tests.harness.replica_apps import ReplicaApp, replica_apps
 
 pytestmark = pytest.mark.slow
 
 
 @dataclass
-class Replica:
-    state: AppState
-    app: object
-
-
-@dataclass
 class Fleet:
     loop: asyncio.AbstractEventLoop
-    replicas: list[Replica]
+    replicas: list[ReplicaApp]
     router: AdapterRouter
 
     def send(
@@ -65,25 +56,15 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fleet-rid")
-    db = f"sqlite:///{tmp / 'fleet.db'}"
     loop = asyncio.new_event_loop()
-    replicas, lifespans = [], []
     try:
-        for name in ("a", "b"):
-            settings = Settings(
-                model=tiny_llama_dir, served_model_name="tiny-llama", data_dir=tmp / name, db=db,
-                admin_key="lsa-fleet-rid", num_kv_blocks=64, max_model_len=128,
-            )  # fmt: skip
-            state = build_state(settings)
-            app = create_app(state)
-            lifespan = app.router.lifespan_context(app)
-            loop.run_until_complete(lifespan.__aenter__())
-            lifespans.append(lifespan)
-            replicas.append(Replica(state, app))
-        yield Fleet(loop, replicas, AdapterRouter(replicas[0].state.sessions, base_model="tiny-llama"))
+        with replica_apps(
+            loop, tmp, ("a", "b"),
+            model=tiny_llama_dir, served_model_name="tiny-llama", admin_key="lsa-fleet-rid",
+            num_kv_blocks=64, max_model_len=128,
+        ) as replicas:  # fmt: skip
+            yield Fleet(loop, replicas, AdapterRouter(replicas[0].state.sessions, base_model="tiny-llama"))
     finally:
-        for lifespan in reversed(lifespans):
-            loop.run_until_complete(lifespan.__aexit__(None, None, None))
         loop.close()
 
 

@@ -16,8 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.app import create_app
-from api.bootstrap import build_state
 from api.fleet.replica import scrape_residency
 from api.fleet.residency_signal import (
     CPU_RESIDENT,
@@ -28,30 +26,22 @@ from api.fleet.residency_signal import (
     preference,
     rank_by_residency,
 )
-from api.settings import Settings
-from api.state import AppState
 from registry.tenants import create_tenant
+from tests.harness.replica_apps import ReplicaApp, replica_apps
 from tests.harness.uploads import files_of, peft_adapter
 
 pytestmark = pytest.mark.slow
 
 
 @dataclass
-class Replica:
-    name: str
-    state: AppState
-    app: object
-
-
-@dataclass
 class Fleet:
     loop: asyncio.AbstractEventLoop
-    replicas: list[Replica]
+    replicas: list[ReplicaApp]
 
     def run(self, coro):  # noqa: ANN001, ANN201 - any coroutine's result
         return self.loop.run_until_complete(coro)
 
-    def post(self, replica: Replica, path: str, key: str, **kwargs: object) -> httpx.Response:
+    def post(self, replica: ReplicaApp, path: str, key: str, **kwargs: object) -> httpx.Response:
         async def go() -> httpx.Response:
             transport = httpx.ASGITransport(replica.app)
             async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
@@ -70,26 +60,15 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fleet-residency")
-    db = f"sqlite:///{tmp / 'fleet.db'}"
     loop = asyncio.new_event_loop()
-    replicas, lifespans = [], []
     try:
-        for name in ("a", "b"):
-            settings = Settings(
-                model=tiny_llama_dir, served_model_name="tiny-llama", data_dir=tmp / name, db=db,
-                registry=(tmp / "objects").as_uri(), admin_key="lsa-fleet-res", num_kv_blocks=64,
-                max_model_len=128, max_loras=2, max_lora_rank=16,
-            )  # fmt: skip
-            state = build_state(settings)
-            app = create_app(state)
-            lifespan = app.router.lifespan_context(app)
-            loop.run_until_complete(lifespan.__aenter__())
-            lifespans.append(lifespan)
-            replicas.append(Replica(name, state, app))
-        yield Fleet(loop, replicas)
+        with replica_apps(
+            loop, tmp, ("a", "b"),
+            model=tiny_llama_dir, served_model_name="tiny-llama", registry=(tmp / "objects").as_uri(),
+            admin_key="lsa-fleet-res", num_kv_blocks=64, max_model_len=128, max_loras=2, max_lora_rank=16,
+        ) as replicas:  # fmt: skip
+            yield Fleet(loop, replicas)
     finally:
-        for lifespan in reversed(lifespans):
-            loop.run_until_complete(lifespan.__aexit__(None, None, None))
         loop.close()
 
 
